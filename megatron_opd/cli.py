@@ -1,0 +1,40 @@
+"""The `megatron-opd` command. Each subcommand lives in its own module and is imported lazily,
+so `megatron-opd doctor` works even where heavy optional pieces (TE, SGLang) are missing."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+# name -> (module, function, help). The function takes the remaining argv list and returns an exit code.
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("megatron_opd.trainer.cli", "main", "run OPD / Stable-OPD training from a YAML config"),
+    "eval": ("megatron_opd.eval.cli", "main", "evaluate a model on math benchmarks"),
+    "convert": ("tools.checkpoint_convert.convert", "main", "convert HF <-> megatron-core checkpoints"),
+    "demo": ("megatron_opd.demo", "main", "small end-to-end run on this machine"),
+    "doctor": ("megatron_opd.doctor", "main", "report what this machine can run"),
+    "plot": ("megatron_opd.trainer.plot", "main", "render a run's training-dynamics figure"),
+}
+
+
+def _resolve(name: str) -> Callable[[list[str]], int]:
+    module, func, _ = SUBCOMMANDS[name]
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="megatron-opd", description=__doc__)
+    parser.add_argument("command", choices=sorted(SUBCOMMANDS), help=" | ".join(
+        f"{k}: {v[2]}" for k, v in SUBCOMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    return int(_resolve(args.command)(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""Typed run configuration: one dataclass per concern, loaded from YAML with dotted CLI overrides.
+
+Why hand-rolled instead of Hydra/OmegaConf: the whole schema is a few dataclasses, and we want every
+mistake (unknown key, wrong type, inconsistent values) to fail with one message naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending dotted key."""
+
+
+@dataclass
+class ModelConfig:
+    """The student (and, by default, the reference = initial student)."""
+
+    hf_path: Optional[str] = None  # HF directory: config.json + *.safetensors (+ tokenizer)
+    megatron_ckpt: Optional[str] = None  # torch_dist checkpoint to start from instead of hf_path
+    family: Literal["auto", "qwen2", "llama"] = "auto"
+    layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: TE on GPU, local on CPU
+    params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    fp8: Optional[Literal["delayed", "tensorwise", "mxfp8", "blockwise"]] = None  # TE FP8 recipe; GPU only
+    num_attention_heads: Optional[int] = None  # filled from the HF config; set here only to validate early
+    num_query_groups: Optional[int] = None
+    num_layers: Optional[int] = None
+    recompute_activations: bool = False
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo otherwise
+
+
+@dataclass
+class TeacherConfig:
+    hf_path: Optional[str] = None
+    backend: Literal["megatron", "sglang", "hf"] = "megatron"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
+    top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
+    micro_batch_size: int = 8
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["local", "sglang"] = "local"
+    sglang_mode: Literal["engine", "server"] = "engine"
+    server_url: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction_static: float = 0.5
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 1024
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 1234
+    sync_bucket_mb: int = 512
+    colocate: bool = True
+
+
+@dataclass
+class AlgoConfig:
+    """Stable-OPD objective. See docs/algorithm.md for the exact formulas."""
+
+    preset: Literal["opd", "opd_kl", "stable_opd", "custom"] = "stable_opd"
+    # advantage A_t = logp_teacher - logp_old
+    adv_clip: Optional[float] = None  # clamp |A_t| <= adv_clip
+    adv_normalize: bool = False  # whiten over valid rollout tokens
+    adv_gamma: Optional[float] = None  # None: per-token; else discounted sum of future A
+    mask_truncated: bool = False  # zero the policy loss of samples without EOS
+    # PPO
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None  # e.g. 3.0; must be > 1
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean", "seq_sum_const"] = "token_mean"
+    loss_agg_constant: Optional[float] = None  # normaliser for seq_sum_const; default max response length
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    # reference KL
+    beta_kl: float = 0.0
+    kl_estimator: Literal["full", "k1", "k2", "k3"] = "full"
+    kl_chunk_size: int = 1024
+    kl_clamp: float = 10.0
+    # mixture distillation
+    lambda_gold: float = 0.0
+    mixture_ratio: float = 0.0  # fraction of samples in each minibatch that are golden solutions
+    golden_loss: Literal["sft", "fkl_topk"] = "sft"
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None  # JSONL / Parquet / local HF dataset dir
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    solution_key: str = "solution"
+    prompt_template: str = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    apply_chat_template: bool = True
+    max_prompt_tokens: int = 512
+    on_bad_record: Literal["skip", "error"] = "skip"
+    eval_paths: list[str] = field(default_factory=list)
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: str = "runs/default"
+    tensorboard: bool = True
+    jsonl: bool = True
+    log_every: int = 1
+    sample_every: int = 10
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <logging.out_dir>/checkpoints
+    save_every: int = 50
+    keep_last: int = 3
+    resume: Literal["auto", "never"] = "auto"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 32
+    micro_batch_size: int = 4
+    seed: int = 42
+    eval_every: int = 0
+    collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's ablation rows. Values are the defaults a preset fills in; explicit keys win.
+    "opd": {"beta_kl": 0.0, "lambda_gold": 0.0, "mixture_ratio": 0.0},
+    "opd_kl": {"beta_kl": 0.01, "lambda_gold": 0.0, "mixture_ratio": 0.0},
+    "stable_opd": {"beta_kl": 0.01, "lambda_gold": 1.0, "mixture_ratio": 0.25},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# type checking / coercion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` as type `tp` or raise ConfigError naming `key`. Ints are accepted for floats."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected str, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {_type_name(tp)}")
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or '<root>'}: expected a mapping, got {data!r}")
+    hints = _section_types(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(names))})")
+        tp = hints[k]
+        current = getattr(obj, k)
+        if dataclasses.is_dataclass(current):
+            _apply(current, v, key + ".")
+        else:
+            setattr(obj, k, _coerce(v, tp, key))
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. algo.beta_kl=0.01")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"override {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {e}") from None
+    return key.split("."), value
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = value
+    for part in reversed(path):
+        out = {part: out}
+    return out
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build a Config from an optional YAML file plus dotted `key=value` overrides, then validate.
+
+    The algorithm preset fills in its defaults for keys that neither the YAML nor an override set.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p}: not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+        data = loaded
+    for item in overrides or []:
+        keys, value = _parse_override(item)
+        data = _deep_merge(data, _nest(keys, value))
+    cfg = Config()
+    algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
+    preset = algo.get("preset", cfg.algo.preset)
+    if preset in PRESETS:
+        data = _deep_merge({"algo": PRESETS[preset]}, data)
+    _apply(cfg, data, "")
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. Each failure names the key; the first one found is raised."""
+
+    def need(cond: bool, key: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{key}: {msg}")
+
+    a, r, p, o, t = cfg.algo, cfg.rollout, cfg.parallel, cfg.optim, cfg.train
+    need(0.0 <= a.mixture_ratio <= 1.0, "algo.mixture_ratio", f"must be in [0, 1], got {a.mixture_ratio}")
+    need(a.beta_kl >= 0, "algo.beta_kl", f"must be >= 0, got {a.beta_kl}")
+    need(a.lambda_gold >= 0, "algo.lambda_gold", f"must be >= 0, got {a.lambda_gold}")
+    need(a.clip_eps_low >= 0 and a.clip_eps_low < 1, "algo.clip_eps_low", f"must be in [0, 1), got {a.clip_eps_low}")
+    need(a.clip_eps_high >= 0, "algo.clip_eps_high", f"must be >= 0, got {a.clip_eps_high}")
+    need(a.dual_clip_c is None or a.dual_clip_c > 1, "algo.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
+    need(a.adv_clip is None or a.adv_clip > 0, "algo.adv_clip", f"must be > 0, got {a.adv_clip}")
+    need(a.adv_gamma is None or 0 <= a.adv_gamma <= 1, "algo.adv_gamma", f"must be in [0, 1], got {a.adv_gamma}")
+    need(a.kl_chunk_size >= 1, "algo.kl_chunk_size", f"must be >= 1, got {a.kl_chunk_size}")
+    need(a.kl_clamp > 0, "algo.kl_clamp", f"must be > 0, got {a.kl_clamp}")
+    need(a.loss_agg_constant is None or a.loss_agg_constant > 0, "algo.loss_agg_constant", "must be > 0")
+    need(a.ppo_epochs >= 1, "algo.ppo_epochs", f"must be >= 1, got {a.ppo_epochs}")
+    need(a.num_minibatches >= 1, "algo.num_minibatches", f"must be >= 1, got {a.num_minibatches}")
+    need(not (a.mixture_ratio > 0 and a.lambda_gold == 0), "algo.lambda_gold",
+         "is 0 while algo.mixture_ratio > 0: golden samples would carry no loss")
+    need(not (a.golden_loss == "fkl_topk" and a.lambda_gold > 0 and cfg.teacher.top_k <= 0), "teacher.top_k",
+         "must be > 0 when algo.golden_loss=fkl_topk")
+    need(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
+    need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
+    for key, size in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
+                      ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+                      ("teacher.tensor_model_parallel_size", cfg.teacher.tensor_model_parallel_size),
+                      ("teacher.pipeline_model_parallel_size", cfg.teacher.pipeline_model_parallel_size)):
+        need(size >= 1, key, f"must be >= 1, got {size}")
+    m, tp = cfg.model, p.tensor_model_parallel_size
+    if m.num_attention_heads is not None:
+        need(m.num_attention_heads % tp == 0, "parallel.tensor_model_parallel_size",
+             f"{tp} does not divide model.num_attention_heads={m.num_attention_heads}")
+    if m.num_query_groups is not None:
+        need(m.num_query_groups % tp == 0, "parallel.tensor_model_parallel_size",
+             f"{tp} does not divide model.num_query_groups={m.num_query_groups}")
+    if m.num_layers is not None:
+        need(m.num_layers % p.pipeline_model_parallel_size == 0, "parallel.pipeline_model_parallel_size",
+             f"{p.pipeline_model_parallel_size} does not divide model.num_layers={m.num_layers}")
+    need(not (p.sequence_parallel and tp == 1), "parallel.sequence_parallel", "needs tensor_model_parallel_size > 1")
+    need(m.fp8 is None or m.layer_spec != "local", "model.fp8", "needs the Transformer Engine layer spec (model.layer_spec=te|auto)")
+    need(o.lr >= 0, "optim.lr", f"must be >= 0, got {o.lr}")
+    need(0 <= o.min_lr <= max(o.lr, 0), "optim.min_lr", f"must be in [0, optim.lr], got {o.min_lr}")
+    need(o.clip_grad >= 0, "optim.clip_grad", f"must be >= 0, got {o.clip_grad}")
+    need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
+    need(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+    need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
+    if cfg.rollout.backend == "sglang" and r.sglang_mode == "server":
+        pass  # server_url may be filled in by the launcher
+    if cfg.teacher.backend == "sglang":
+        need(cfg.teacher.server_url is not None or cfg.teacher.hf_path is not None, "teacher.server_url",
+             "teacher.backend=sglang needs teacher.server_url or teacher.hf_path")
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+__all__ = [
+    "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
+    "OptimConfig", "PRESETS", "ParallelConfig", "RolloutConfig", "TeacherConfig", "TrainConfig",
+    "config_to_dict", "dump_config", "load_config", "validate",
+]
+_ = typing  # keep import for get_type_hints on postponed annotations

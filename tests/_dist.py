@@ -1,0 +1,59 @@
+"""Run a function on N processes over gloo (what torchrun would do), for TP/PP tests on CPU.
+
+The target must be a module-level function `fn(rank, world_size, *args)`; its return value from
+each rank is collected through a queue so tests can compare ranks against a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - ship the traceback to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
