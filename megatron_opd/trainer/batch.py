@@ -1,0 +1,107 @@
+"""Turn rollouts and golden solutions into the padded tensors the model and the objective consume.
+
+Sequences are prompt+response, right-padded: under a causal mask real tokens never attend to the
+padding after them, so no padding mask is needed for the forward. Per-token quantities live in the
+response layout `[B, T]` of docs/design.md; `response_index[b, t]` is the position in the full
+sequence whose next-token prediction scores response token t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SequenceItem:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    is_golden: bool = False
+    truncated: bool = False
+    behaviour_logprobs: Optional[list[float]] = None
+    prompt_index: int = -1
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # [B, L] prompt + response, right padded with pad_id
+    position_ids: torch.Tensor  # [B, L]
+    response_index: torch.Tensor  # [B, T] index into the [B, L-1] next-token log-prob grid
+    response_ids: torch.Tensor  # [B, T]
+    response_mask: torch.Tensor  # [B, T] bool
+    is_golden: torch.Tensor  # [B] bool
+    truncated: torch.Tensor  # [B] bool
+    behaviour_logp: Optional[torch.Tensor] = None  # [B, T] from the rollout engine (rollout rows only)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # teacher_logp, ref_logp, old_logp ...
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
+        """A sub-batch (minibatch) with the same layout; T and L are trimmed to what the rows need."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        mask = self.response_mask[rows]
+        t_max = int(mask.sum(1).max().item()) if mask.numel() else 0
+        t_max = max(t_max, 1)
+        l_max = int((self.response_index[rows][mask].max().item() + 2) if mask.any() else self.tokens.shape[1])
+        l_max = max(min(l_max, self.tokens.shape[1]), 2)
+        return TrainBatch(
+            tokens=self.tokens[rows, :l_max], position_ids=self.position_ids[rows, :l_max],
+            response_index=self.response_index[rows, :t_max].clamp(max=l_max - 2),
+            response_ids=self.response_ids[rows, :t_max], response_mask=mask[:, :t_max],
+            is_golden=self.is_golden[rows], truncated=self.truncated[rows],
+            behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[rows, :t_max],
+            extras={k: v[rows, :t_max] if v.dim() >= 2 else v[rows] for k, v in self.extras.items()})
+
+
+def build_batch(items: list[SequenceItem], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:
+    """Pack items into a TrainBatch. Empty responses are allowed (all-False mask row)."""
+    if not items:
+        raise ValueError("build_batch: no sequences")
+    for i, it in enumerate(items):
+        if not it.prompt_ids:
+            raise ValueError(f"build_batch: item {i} has an empty prompt")
+        if it.behaviour_logprobs is not None and len(it.behaviour_logprobs) != len(it.response_ids):
+            raise ValueError(f"build_batch: item {i}: {len(it.behaviour_logprobs)} behaviour log-probs for "
+                             f"{len(it.response_ids)} response tokens")
+    B = len(items)
+    L = max(len(it.prompt_ids) + len(it.response_ids) for it in items)
+    L = max(L, 2)
+    L = -(-L // pad_to_multiple) * pad_to_multiple
+    T = max(1, max(len(it.response_ids) for it in items))
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    response_index = torch.zeros((B, T), dtype=torch.long)
+    response_mask = torch.zeros((B, T), dtype=torch.bool)
+    behaviour = torch.zeros((B, T), dtype=torch.float32)
+    have_behaviour = any(it.behaviour_logprobs is not None for it in items)
+    for b, it in enumerate(items):
+        p, r = len(it.prompt_ids), len(it.response_ids)
+        tokens[b, :p] = torch.tensor(it.prompt_ids)
+        if r:
+            tokens[b, p:p + r] = torch.tensor(it.response_ids)
+            response_ids[b, :r] = torch.tensor(it.response_ids)
+            response_index[b, :r] = torch.arange(p - 1, p - 1 + r)
+            response_mask[b, :r] = True
+            if it.behaviour_logprobs is not None:
+                behaviour[b, :r] = torch.tensor(it.behaviour_logprobs, dtype=torch.float32)
+    position_ids = torch.arange(L).unsqueeze(0).expand(B, L).contiguous()
+    return TrainBatch(
+        tokens=tokens, position_ids=position_ids, response_index=response_index, response_ids=response_ids,
+        response_mask=response_mask, is_golden=torch.tensor([it.is_golden for it in items]),
+        truncated=torch.tensor([it.truncated for it in items]),
+        behaviour_logp=behaviour if have_behaviour else None)
+
+
+def gather_response(per_position: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """[B, L-1, ...] next-token quantities -> [B, T, ...] in the response layout (padding zeroed)."""
+    idx = batch.response_index
+    if per_position.dim() == 2:
+        out = per_position.gather(1, idx)
+        return out * batch.response_mask
+    expanded = idx.unsqueeze(-1).expand(*idx.shape, per_position.shape[-1])
+    out = per_position.gather(1, expanded)
+    return out * batch.response_mask.unsqueeze(-1)

@@ -1,0 +1,33 @@
+"""`megatron-opd train --config run.yaml [key=value ...]` (under torchrun for several ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron_opd.config import ConfigError, load_config
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-opd train", description=__doc__)
+    p.add_argument("--config", default=None, help="YAML config (see examples/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.beta_kl=0.02 train.steps=10")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    from megatron_opd.trainer.loop import Trainer, TrainingStopped
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    except TrainingStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    finally:
+        trainer.close()
+    return 0

@@ -1,0 +1,114 @@
+"""Run logging: a JSONL metrics file (the source of truth for `megatron-opd plot`), tensorboard
+scalars and text samples, and GPU utilisation/memory from NVML where GPUs exist."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+
+
+def gpu_stats() -> dict[str, float]:
+    """Per-GPU utilisation and memory via nvidia-ml-py; empty without GPUs or the package."""
+    try:
+        import pynvml
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver: no stats
+        return {}
+    out: dict[str, float] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            out[f"gpu/{i}/util_pct"] = float(util.gpu)
+            out[f"gpu/{i}/mem_used_gb"] = mem.used / 2**30
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class RunLogger:
+    """Writes only on the logging rank (rank 0); other ranks get a no-op logger."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, jsonl: bool = True, enabled: bool = True):
+        self.out_dir = Path(out_dir)
+        self.enabled = enabled
+        self._tb = None
+        self._jsonl = None
+        self._samples = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if jsonl:
+            self._jsonl = open(self.out_dir / METRICS_FILE, "a")
+            self._samples = open(self.out_dir / SAMPLES_FILE, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            except ImportError:
+                self._tb = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **{k: _clean(v) for k, v in metrics.items()}}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if not self.enabled or not samples:
+            return
+        if self._samples is not None:
+            for s in samples:
+                self._samples.write(json.dumps({"step": step, **s}) + "\n")
+            self._samples.flush()
+        if self._tb is not None:
+            text = "\n\n---\n\n".join(
+                f"**prompt**: {s.get('prompt', '')}\n\n**response**: {s.get('response', '')}" for s in samples)
+            self._tb.add_text("samples", text, step)
+
+    def close(self) -> None:
+        for f in (self._jsonl, self._samples):
+            if f is not None:
+                f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path, upto_step: Optional[int] = None) -> list[dict[str, Any]]:
+    """Metrics rows of a run; when a resumed run re-logs steps, the last row for a step wins."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    rows: dict[int, dict[str, Any]] = {}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
+        if upto_step is None or row["step"] <= upto_step:
+            rows[int(row["step"])] = row
+    return [rows[k] for k in sorted(rows)]

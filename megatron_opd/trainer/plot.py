@@ -1,0 +1,57 @@
+"""`megatron-opd plot RUN_DIR [RUN_DIR ...]`: the paper's training-dynamics figure (response length,
+truncation rate, repetition rate, accuracy vs step) from runs' metrics.jsonl, one line per run."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+from megatron_opd.trainer.logger import read_metrics
+
+PANELS = [
+    ("rollout/response_len_mean", "response length (tokens)"),
+    ("rollout/truncation_rate", "truncation rate"),
+    ("rollout/repetition_rate", "repetition rate"),
+    ("eval/accuracy", "accuracy"),
+]
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path, panels: Optional[list[tuple[str, str]]] = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = panels or PANELS
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for run in run_dirs:
+        rows = read_metrics(run)
+        for ax, (key, _) in zip(axes, panels):
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=Path(run).name)
+    for ax, (key, title) in zip(axes, panels):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, f"no '{key}' logged", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-opd plot", description=__doc__)
+    p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG path (default: <first run>/dynamics.png)")
+    args = p.parse_args(argv)
+    out = args.out or str(Path(args.runs[0]) / "dynamics.png")
+    print(plot_runs(args.runs, out))
+    return 0

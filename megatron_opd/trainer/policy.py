@@ -1,0 +1,225 @@
+"""The student and reference policies as megatron-core GPTModel shards, seen through the two
+operations the trainer needs: score a batch (forward only) and train on a minibatch.
+
+Both run through megatron's pipeline schedule (`models.logprobs.forward_backward`), so the same code
+serves PP=1 and PP>1; per-token quantities are produced on the last pipeline stage only.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_opd.config import Config
+from megatron_opd.trainer.batch import TrainBatch, gather_response
+
+# (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
+LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class MegatronPolicy:
+    """A GPTModel shard for this rank with HF weights loaded; trainable (student) or frozen (reference)."""
+
+    def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], cfg: Config, *,
+                 trainable: bool, total_steps: int = 1):
+        from megatron.core import parallel_state as ps
+
+        from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
+        from megatron_opd.models.logprobs import default_tp_group, vocab_parallel_reduce
+        from megatron_opd.models.optimizer import setup_training
+        from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
+
+        self.cfg = cfg
+        self.hf_config = hf_config
+        self.trainable = trainable
+        builder = build_gpt_model if trainable else build_forward_only_model
+        model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=resolve_dtype(cfg.model.params_dtype),
+                        fp8=cfg.model.fp8, sequence_parallel=cfg.parallel.sequence_parallel,
+                        recompute_activations=cfg.model.recompute_activations)
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        tp_size, pp_size = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
+                                       te_names=_uses_te_names(model))
+        load_megatron_state_dict(model, sd)
+        self.setup = setup_training(model, cfg.optim, total_steps) if trainable else None
+        self.model = self.setup.model if trainable else model
+        self.tp_group = default_tp_group()
+        self.reduce = vocab_parallel_reduce(self.tp_group)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.vocab_size = int(hf_config.vocab_size)
+
+    # -- per-token pieces on the last stage ---------------------------------------------------
+
+    def _token_logp(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
+
+        targets = torch.roll(batch.tokens, shifts=-1, dims=1)
+        logp = vocab_parallel_token_logprobs(logits.float() if not self.trainable else logits, targets, self.tp_group,
+                                             vocab_size=self.vocab_size)
+        return gather_response(logp, batch)
+
+    def response_logits(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked)."""
+        from megatron_opd.models.logprobs import mask_vocab_padding
+
+        b_idx, t_idx = batch.response_mask.nonzero(as_tuple=True)
+        rows = logits[b_idx, batch.response_index[b_idx, t_idx]]
+        return mask_vocab_padding(rows, self.vocab_size, self.tp_group)
+
+    def topk_logp(self, logits: torch.Tensor, batch: TrainBatch, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Student log-probs of the teacher's top-k ids, [B, T, K] in the response layout."""
+        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
+
+        B, L = batch.tokens.shape
+        out = []
+        for k in range(topk_ids.shape[-1]):
+            targets = torch.zeros((B, L), dtype=torch.long)
+            targets.scatter_(1, batch.response_index, topk_ids[..., k] * batch.response_mask)
+            lp = vocab_parallel_token_logprobs(logits, targets, self.tp_group, vocab_size=self.vocab_size)
+            out.append(gather_response(lp, batch))
+        return torch.stack(out, dim=-1)
+
+    # -- operations ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8
+              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(logp [B, T], response logits [N, V/tp] or None) on the last stage; (None, None) elsewhere."""
+        from megatron_opd.models.logprobs import forward_backward
+
+        was_training = self.model.training
+        self.model.eval()
+        logps: list[torch.Tensor] = []
+        logits_out: list[torch.Tensor] = []
+        try:
+            for start in range(0, batch.batch_size, micro_batch_size):
+                mb = batch.select(list(range(start, min(batch.batch_size, start + micro_batch_size))))
+
+                def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb):
+                    logps.append(_pad_t(self._token_logp(logits, mb), batch.response_mask.shape[1]))
+                    if want_logits:
+                        logits_out.append(self.response_logits(logits, mb).float())
+                    return logits.new_zeros(()), {}
+
+                forward_backward(self.model, [{"input_ids": mb.tokens, "position_ids": mb.position_ids}], loss_fn,
+                                 forward_only=True)
+        finally:
+            self.model.train(was_training)
+        if not self.is_last_stage:
+            return None, None
+        return torch.cat(logps, 0), (torch.cat(logits_out, 0) if want_logits else None)
+
+    def train_minibatch(self, batch: TrainBatch, loss_fn: LossFn, want_logits: bool) -> dict[str, float]:
+        """One optimizer step on `batch` (one micro-batch through the schedule). A non-finite loss
+        skips the update: gradients are zeroed and `update_skipped`/`nonfinite_loss` report it."""
+        from megatron_opd.models.logprobs import forward_backward
+        from megatron_opd.models.optimizer import optimizer_step, zero_grads
+
+        assert self.setup is not None, "train_minibatch on a frozen policy"
+        self.model.train()
+        zero_grads(self.setup)
+        stats: dict[str, float] = {}
+
+        def _loss(logits: torch.Tensor, _mb: dict):
+            logp = self._token_logp(logits, batch)
+            resp_logits = self.response_logits(logits, batch) if want_logits else None
+            loss, terms = loss_fn(logp, resp_logits, batch, logits)
+            if not torch.isfinite(loss):
+                terms = {**terms, "nonfinite_loss": 1.0}
+                loss = 0.0 * logits.sum()
+            stats.update(terms)
+            return loss, {}
+
+        forward_backward(self.model, [{"input_ids": batch.tokens, "position_ids": batch.position_ids}], _loss)
+        nonfinite = _broadcast_flag(stats.get("nonfinite_loss", 0.0))
+        if nonfinite:
+            zero_grads(self.setup)
+            stats.update(update_skipped=1.0, nonfinite_loss=1.0, grad_norm=float("nan"))
+            return stats
+        step = optimizer_step(self.setup)
+        if not math.isfinite(step["grad_norm"]):
+            step["update_skipped"] = 1.0
+        stats.update(step)
+        return stats
+
+    def iter_hf_weights(self):
+        from megatron_opd.models.weight_mapping import iter_hf_weights
+
+        return iter_hf_weights(self.model, self.hf_config)
+
+    def state_dict(self) -> dict[str, Any]:
+        from megatron_opd.models.optimizer import unwrap
+
+        state = {"model": {k: v for k, v in unwrap(self.model).state_dict().items()
+                           if isinstance(v, torch.Tensor)}}
+        if self.setup is not None:
+            opt = self.setup.optimizer
+            state["optimizer"] = opt.state_dict()
+            # The distributed optimizer keeps Adam moments outside state_dict(); this rank's shard is
+            # saved as is (resume needs the same layout, which CheckpointManager enforces).
+            state["optimizer_shards"] = [o.get_parameter_state_dp_reshardable()
+                                         if hasattr(o, "get_parameter_state_dp_reshardable") else None
+                                         for o in _optimizers(opt)]
+            state["scheduler"] = self.setup.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from megatron_opd.models.optimizer import unwrap
+
+        missing, unexpected = unwrap(self.model).load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.setup is not None:
+            opt = self.setup.optimizer
+            opt.load_state_dict(state["optimizer"])
+            for o, shard in zip(_optimizers(opt), state.get("optimizer_shards", [])):
+                if shard is not None:
+                    o.load_parameter_state_from_dp_reshardable(shard)
+            self.setup.scheduler.load_state_dict(state["scheduler"])
+
+
+def _optimizers(opt: Any) -> list[Any]:
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def _uses_te_names(model: torch.nn.Module) -> bool:
+    return any(k.endswith("layer_norm_weight") for k in model.state_dict())
+
+
+def _pad_t(x: torch.Tensor, t: int) -> torch.Tensor:
+    if x.shape[1] == t:
+        return x
+    return torch.nn.functional.pad(x, (0, t - x.shape[1]))
+
+
+def _broadcast_flag(value: float) -> bool:
+    """True on every rank if any rank saw `value` > 0 (the last stage computes the loss)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([1.0 if value > 0 else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
