@@ -7,6 +7,7 @@ mistake (unknown key, wrong type, inconsistent values) to fail with one message 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -185,6 +186,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if origin is Literal:
+        return f"one of {list(get_args(tp))}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -229,7 +235,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key}: expected int, got {value!r}")
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads `1e-6` (no dot) as a string; accept numeric strings for float fields.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected float, got {value!r}") from None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isnan(value):
+                raise ConfigError(f"{key}: expected a number, got NaN")
             return float(value)
         raise ConfigError(f"{key}: expected float, got {value!r}")
     if tp is str:
@@ -245,7 +259,7 @@ def _section_types(cls: type) -> dict[str, Any]:
 
 def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or '<root>'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
     hints = _section_types(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for k, v in data.items():
@@ -255,9 +269,34 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
         tp = hints[k]
         current = getattr(obj, k)
         if dataclasses.is_dataclass(current):
-            _apply(current, v, key + ".")
+            _apply(current, v.parsed if isinstance(v, _RawOverride) else v, key + ".")
         else:
+            if isinstance(v, _RawOverride):
+                v = v.raw if _accepts_str(tp) and isinstance(v.parsed, (dict, _Unparsable)) else v.parsed
+            if isinstance(v, _Unparsable):
+                raise ConfigError(f"{key}: cannot parse value {v.text!r}: {v.error}")
             setattr(obj, k, _coerce(v, tp, key))
+
+
+@dataclass
+class _Unparsable:
+    text: str
+    error: str
+
+
+@dataclass
+class _RawOverride:
+    """A CLI value as typed and as YAML-parsed: a str field takes the text as typed (so a prompt
+    template like `{problem}` is not read as a YAML mapping)."""
+
+    raw: str
+    parsed: Any
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    return get_origin(tp) in (Union, types.UnionType) and str in get_args(tp)
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -270,8 +309,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"{key}: cannot parse value {raw!r}: {e}") from None
-    return key.split("."), value
+        value = _Unparsable(raw, str(e).splitlines()[0])
+    return key.split("."), _RawOverride(raw, value)
 
 
 def _nest(path: list[str], value: Any) -> dict[str, Any]:
@@ -314,6 +353,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     cfg = Config()
     algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
     preset = algo.get("preset", cfg.algo.preset)
+    preset = preset.parsed if isinstance(preset, _RawOverride) else preset
     if preset in PRESETS:
         data = _deep_merge({"algo": PRESETS[preset]}, data)
     _apply(cfg, data, "")
@@ -381,6 +421,12 @@ def validate(cfg: Config) -> None:
     need(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    need(cfg.checkpoint.save_every >= 1, "checkpoint.save_every", "must be >= 1")
+    need(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
+    need(cfg.logging.sample_every >= 0, "logging.sample_every", "must be >= 0 (0: off)")
+    need(cfg.teacher.top_k >= 0, "teacher.top_k", "must be >= 0")
+    need(cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size", "must be >= 1")
+    need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
     if cfg.rollout.backend == "sglang" and r.sglang_mode == "server":
         pass  # server_url may be filled in by the launcher

@@ -1,0 +1,171 @@
+"""Collapse detector on synthetic histories: a jump is flagged at/after onset and never before; noise is not
+flagged; slow drift is caught by the initial baseline only; state survives a JSON round trip."""
+
+import json
+import math
+import random
+
+import pytest
+
+from megatron_opd.metrics.collapse import CollapseConfig, CollapseDetector
+
+TR, LEN, REP = "rollout/truncation_rate", "rollout/response_len_mean", "rollout/repetition_rate"
+
+
+def binom_rate(rng: random.Random, n: int, p: float) -> float:
+    return sum(rng.random() < p for _ in range(n)) / n
+
+
+def jump_history(k: int, steps: int, seed: int = 0) -> list[dict]:
+    """Healthy until step k, then length inflation: truncation 5% -> 60%, length x2.5, repetition 2% -> 40%."""
+    rng = random.Random(seed)
+    hist = []
+    for s in range(steps):
+        bad = s >= k
+        hist.append({
+            "step": s,
+            TR: binom_rate(rng, 64, 0.6 if bad else 0.05),
+            LEN: rng.gauss(2500 if bad else 1000, 60),
+            REP: binom_rate(rng, 64, 0.4 if bad else 0.02),
+        })
+    return hist
+
+
+def run(det: CollapseDetector, hist: list[dict]) -> list:
+    return [det.update(m) for m in hist]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_jump_flagged_at_or_after_onset_not_before(seed):
+    k = 60
+    cfg = CollapseConfig()
+    verdicts = run(CollapseDetector(cfg), jump_history(k, 120, seed))
+    flagged = [v.step for v in verdicts if v.collapsed]
+    assert flagged, "the jump was not detected"
+    first = flagged[0]
+    assert k <= first <= k + cfg.window
+    assert all(v.onset_step is None for v in verdicts if v.step < first)
+    assert all(v.onset_step == first for v in verdicts if v.step >= first)
+    reasons = " ".join(verdicts[first].reasons)
+    assert "truncation_jump" in reasons and "repetition_jump" in reasons
+    # the window means reported are the ones the rule used
+    st = verdicts[-1].stats
+    assert st[f"{TR}/current"] == pytest.approx(sum(m[TR] for m in jump_history(k, 120, seed)[-10:]) / 10)
+    assert st[f"{TR}/baseline"] == pytest.approx(sum(m[TR] for m in jump_history(k, 120, seed)[:10]) / 10)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("baseline", ["initial", "trailing"])
+def test_noisy_flat_history_not_flagged(seed, baseline):
+    rng = random.Random(100 + seed)
+    det = CollapseDetector(CollapseConfig(baseline=baseline))
+    for s in range(400):
+        v = det.update({TR: binom_rate(rng, 64, 0.05), LEN: rng.gauss(1000, 150), REP: binom_rate(rng, 64, 0.02)},
+                       step=s)
+        assert not v.collapsed, (s, v.reasons)
+
+
+def test_min_steps_holds_back_early_verdicts():
+    hist = jump_history(25, 80, seed=3)
+    first = next(v.step for v in run(CollapseDetector(CollapseConfig(min_steps=50)), hist) if v.collapsed)
+    assert first == 49  # the 50th update: the condition already holds, min_steps alone held it back
+    first_default = next(v.step for v in run(CollapseDetector(CollapseConfig()), hist) if v.collapsed)
+    assert 25 <= first_default < 49
+
+
+def test_no_verdict_without_full_disjoint_windows():
+    # a jump inside the first windows cannot be judged: the initial baseline would contain it
+    det = CollapseDetector(CollapseConfig(window=5, baseline_window=5, min_steps=0, patience=1))
+    for s in range(9):
+        v = det.update({TR: 0.0 if s < 3 else 1.0}, step=s)
+        assert not v.collapsed and v.stats == {}
+    assert det.update({TR: 1.0}, step=9).stats[f"{TR}/baseline"] == pytest.approx(2 / 5)
+
+
+def test_slow_drift_caught_by_initial_baseline_only():
+    hist = [{LEN: 1000 * 1.005**s} for s in range(200)]  # 2.7x over 200 steps, 0.5% per step
+    initial = run(CollapseDetector(CollapseConfig(baseline="initial")), hist)
+    trailing = run(CollapseDetector(CollapseConfig(baseline="trailing")), hist)
+    assert not any(v.collapsed for v in trailing)
+    first = next(v.step for v in initial if v.collapsed)
+    # closed form: window means of a geometric series; first step whose ratio > 1.5, plus patience 2
+    mean = lambda a, b: sum(1000 * 1.005**i for i in range(a, b)) / (b - a)  # noqa: E731
+    base = mean(0, 10)
+    expected = next(s for s in range(19, 200) if mean(s - 9, s + 1) > 1.5 * base) + 1
+    assert first == expected
+    assert "length_ratio" in initial[first].reasons[0]
+
+
+def test_patience_ignores_short_spikes():
+    cfg = CollapseConfig(window=1, baseline_window=5, min_steps=0, patience=3, length_ratio=None,
+                         repetition_jump=None)
+    det = CollapseDetector(cfg)
+    seq = [0.0] * 10 + [0.9, 0.9] + [0.0] * 5 + [0.9, 0.9, 0.9]
+    flags = [det.update({TR: x}, step=s).collapsed for s, x in enumerate(seq)]
+    assert flags.index(True) == 19 and sum(flags) == 1
+
+
+def test_truncation_ratio_uses_floor():
+    cfg = CollapseConfig(window=2, baseline_window=2, min_steps=0, patience=1, truncation_jump=None,
+                         truncation_ratio=2.0, rate_floor=0.02, length_ratio=None, repetition_jump=None)
+    det = CollapseDetector(cfg)
+    for s, x in enumerate([0.0, 0.0, 0.01, 0.03]):  # current mean 0.02 = 2 x floor, not more
+        assert not det.update({TR: x}, step=s).collapsed
+    assert det.update({TR: 0.07}, step=4).collapsed  # current (0.03+0.07)/2 = 0.05 > 0.04
+
+
+def test_missing_and_nan_values_are_skipped():
+    det = CollapseDetector(CollapseConfig(window=2, baseline_window=2, min_steps=0, patience=1))
+    for s in range(10):
+        det.update({TR: float("nan"), "step": s})
+        det.update({LEN: 100.0}, step=s)
+    sd = det.state_dict()
+    assert TR not in sd["series"] and sd["series"][LEN]["count"] == 10
+    with pytest.raises(ValueError, match=r"metrics\['rollout/truncation_rate'\]"):
+        det.update({TR: "high"})
+
+
+def test_step_defaults():
+    det = CollapseDetector()
+    assert det.update({}).step == 0 and det.update({}).step == 1 and det.update({"step": 17}).step == 17
+
+
+def test_state_round_trip_resumes_identically():
+    hist = jump_history(40, 90, seed=5)
+    for cut in (30, 55):  # before and after the onset
+        a = CollapseDetector()
+        run(a, hist[:cut])
+        b = CollapseDetector()
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert b.state_dict() == a.state_dict()
+        va, vb = run(a, hist[cut:]), run(b, hist[cut:])
+        assert [v.to_dict() for v in va] == [v.to_dict() for v in vb]
+        assert any(v.collapsed for v in va)
+
+
+def test_load_state_dict_rejects_mismatch():
+    a = CollapseDetector(CollapseConfig(window=10))
+    state = a.state_dict()
+    with pytest.raises(ValueError, match="config.window"):
+        CollapseDetector(CollapseConfig(window=5)).load_state_dict(state)
+    del state["series"]
+    with pytest.raises(ValueError, match="missing key 'series'"):
+        CollapseDetector().load_state_dict(state)
+
+
+def test_reset_forgets_history_and_onset():
+    det = CollapseDetector()
+    vs = run(det, jump_history(30, 60))
+    assert vs[-1].onset_step is not None
+    det.reset()
+    v = det.update({TR: 0.5}, step=61)
+    assert not v.collapsed and v.onset_step is None
+
+
+@pytest.mark.parametrize("kw,name", [({"window": 0}, "window"), ({"patience": 0}, "patience"),
+                                     ({"length_ratio": 0.9}, "length_ratio"),
+                                     ({"truncation_jump": math.nan}, "truncation_jump"),
+                                     ({"baseline": "median"}, "baseline"), ({"min_steps": -1}, "min_steps")])
+def test_config_validation(kw, name):
+    with pytest.raises(ValueError, match=f"CollapseConfig.{name}"):
+        CollapseConfig(**kw)
