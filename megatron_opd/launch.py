@@ -1,0 +1,46 @@
+"""Helpers the SLURM launch scripts (scripts/slurm/) call before they spend GPU time.
+
+`python -m megatron_opd.launch check-config --config X key=value...` loads the config exactly as
+`megatron-opd train` will (same YAML, same overrides, same validation) and prints a one-line summary,
+so a typo fails the job in seconds instead of after the SGLang servers have loaded their weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from megatron_opd.config import Config, ConfigError, load_config
+
+
+def summarize(cfg: Config) -> str:
+    """One line with the settings that decide the job's shape and the ablation row."""
+    a, r, p, t = cfg.algo, cfg.rollout, cfg.parallel, cfg.teacher
+    return (f"preset={a.preset} beta_kl={a.beta_kl:g} lambda_gold={a.lambda_gold:g} "
+            f"mixture_ratio={a.mixture_ratio:g} | student={cfg.model.hf_path} "
+            f"tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} | "
+            f"rollout={r.backend}/{r.sglang_mode} url={r.server_url} n={r.n_samples_per_prompt} "
+            f"max_new_tokens={r.max_new_tokens} | teacher={t.backend} {t.hf_path} url={t.server_url} | "
+            f"out={cfg.logging.out_dir}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_opd.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check-config", help="load + validate a config with overrides; print a summary")
+    check.add_argument("--config", required=True, help="YAML file")
+    check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(f"config ok: {summarize(cfg)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+# shellcheck shell=bash
+# Shared functions for the sbatch scripts in this folder; sourced, never run on its own.
+#
+# Each script places three roles on the job's nodes: SGLang servers (student rollout, teacher
+# scoring), started first and polled on /health, then one torchrun per training node. Every
+# background step is killed by the EXIT trap, so a failed or cancelled job leaves no server behind.
+#
+# DRY_RUN=1 prints each command that would run (a "+ " line, shell-quoted) and starts nothing;
+# tests use it with a fake `scontrol` to check the rendered commands.
+#
+# Knobs (env): PYTHON, TORCHRUN, SRUN, SRUN_ARGS (extra srun options, e.g. "--gres=gpu:8"),
+# SERVER_TIMEOUT (s), POLL_INTERVAL (s), MASTER_ADDR, MASTER_PORT, CHECK_CONFIG=0 (skip the
+# config check before the servers start).
+
+DRY_RUN="${DRY_RUN:-0}"
+PYTHON="${PYTHON:-python}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+SRUN="${SRUN:-srun}"
+SRUN_ARGS="${SRUN_ARGS:-}"
+SERVER_TIMEOUT="${SERVER_TIMEOUT:-1800}"
+POLL_INTERVAL="${POLL_INTERVAL:-10}"
+CHECK_CONFIG="${CHECK_CONFIG:-1}"
+
+NODES=()        # hostnames of the job, in SLURM order
+BG_PIDS=()      # every background step started here; killed on exit
+SERVER_NAMES=()
+SERVER_URLS=()
+SERVER_PIDS=()
+SERVER_LOGS=()
+TRAIN_PIDS=()
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+is_dry_run() { [[ "$DRY_RUN" == 1 ]]; }
+
+# Print a command as one shell-quoted "+ ..." line.
+show_cmd() {
+    printf '+'
+    printf ' %q' "$@"
+    printf '\n'
+}
+
+# launch_bg LOGFILE CMD... : start CMD in the background (stdout+stderr to LOGFILE, or to the job's
+# own output when LOGFILE is "-"); sets LAST_PID. In dry-run mode only prints it.
+launch_bg() {
+    local logfile=$1
+    shift
+    LAST_PID=""
+    if is_dry_run; then
+        show_cmd "$@"
+        return 0
+    fi
+    if [[ "$logfile" == "-" ]]; then
+        "$@" &
+    else
+        "$@" >"$logfile" 2>&1 &
+    fi
+    LAST_PID=$!
+    BG_PIDS+=("$LAST_PID")
+}
+
+# cleanup: TERM every background step (srun forwards it to the tasks), then KILL stragglers.
+cleanup() {
+    local rc=$? pid i
+    trap - EXIT TERM INT
+    if ((${#BG_PIDS[@]} > 0)); then
+        log "stopping ${#BG_PIDS[@]} background step(s)"
+        for pid in "${BG_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+        for ((i = 0; i < 20; i++)); do
+            local alive=0
+            for pid in "${BG_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+            ((alive)) || break
+            sleep 0.5
+        done
+        for pid in "${BG_PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+    fi
+    exit "$rc"
+}
+
+install_cleanup_trap() {
+    trap cleanup EXIT
+    trap 'exit 143' TERM
+    trap 'exit 130' INT
+}
+
+# gpu_count "0,1,2,3" -> 4; rejects anything but a comma list of GPU indices.
+gpu_count() {
+    [[ "$1" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "GPU list '$1': expected comma-separated indices, e.g. 0,1,2,3"
+    local -a ids
+    IFS=, read -r -a ids <<<"$1"
+    echo "${#ids[@]}"
+}
+
+# slurm_setup: NODES from SLURM_JOB_NODELIST (via scontrol), MASTER_PORT from the job id so two
+# jobs sharing a node do not collide; installs the cleanup trap.
+slurm_setup() {
+    [[ -n "${SLURM_JOB_NODELIST:-}" ]] ||
+        die "SLURM_JOB_NODELIST is not set: submit with sbatch (for a dry run set it and DRY_RUN=1)"
+    local hosts
+    hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
+        die "scontrol show hostnames '$SLURM_JOB_NODELIST' failed"
+    mapfile -t NODES <<<"$hosts"
+    [[ -n "${NODES[0]:-}" ]] || die "no hosts in SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST'"
+    if [[ -n "${SLURM_NNODES:-}" ]] && ((SLURM_NNODES != ${#NODES[@]})); then
+        die "SLURM_NNODES=$SLURM_NNODES but SLURM_JOB_NODELIST expands to ${#NODES[@]} hosts"
+    fi
+    export MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
+    install_cleanup_trap
+}
+
+require_nodes() {
+    ((${#NODES[@]} >= $1)) || die "this layout needs $1 node(s) but the job has ${#NODES[@]} (sbatch --nodes=$1)"
+}
+
+prepare_out_dir() {
+    is_dry_run || mkdir -p "$1/logs"
+}
+
+# check_config CONFIG OVERRIDES... : fail in seconds on a bad YAML or override, before any server
+# spends minutes loading weights.
+check_config() {
+    local config=$1
+    shift
+    [[ -f "$config" ]] || die "config file '$config' not found (relative paths are from $(pwd))"
+    [[ "$CHECK_CONFIG" == 1 ]] || return 0
+    "$PYTHON" -m megatron_opd.launch check-config --config "$config" "$@" >&2 ||
+        die "config check failed for $config (see the message above)"
+}
+
+# srun_on NODE CUDA_VISIBLE_DEVICES CMD... : the step prefix placing CMD on one node with the given
+# GPUs. --overlap lets servers and trainers share a node; `env` runs after SLURM's own GPU binding,
+# so our CUDA_VISIBLE_DEVICES wins.
+SRUN_PREFIX=()
+srun_prefix() {
+    local node=$1 gpus=$2
+    local -a extra=()
+    [[ -n "$SRUN_ARGS" ]] && read -r -a extra <<<"$SRUN_ARGS"
+    SRUN_PREFIX=("$SRUN" --overlap --nodes=1 --ntasks=1 --nodelist="$node" "${extra[@]}"
+        env CUDA_VISIBLE_DEVICES="$gpus")
+}
+
+# start_sglang NAME NODES_CSV GPUS PORT MODEL TP PP OUT_DIR [EXTRA_ARGS...]
+# One SGLang server over the GPUs GPUS of each node in NODES_CSV. One node: data-parallel replicas
+# fill the GPUs (dp = #GPUs / (tp*pp)). Several nodes: one replica spanning them (tp*pp = all GPUs),
+# HTTP served by the first node. Each node binds its own hostname. Token ids in and out
+# (--skip-tokenizer-init), as the in-tree clients expect (rollout/server.py, teacher/sglang.py).
+start_sglang() {
+    local name=$1 nodes_csv=$2 gpus=$3 port=$4 model=$5 tp=$6 pp=$7 out=$8
+    shift 8
+    local -a nodes
+    IFS=, read -r -a nodes <<<"$nodes_csv"
+    local nnodes=${#nodes[@]} ngpu
+    ngpu=$(gpu_count "$gpus")
+    [[ -n "$model" ]] || die "$name: model path is empty"
+    [[ "$tp" =~ ^[1-9][0-9]*$ && "$pp" =~ ^[1-9][0-9]*$ ]] || die "$name: tp=$tp pp=$pp must be positive integers"
+    local total=$((ngpu * nnodes))
+    ((total % (tp * pp) == 0)) || die "$name: tp*pp=$((tp * pp)) does not divide its $total GPU(s)"
+    local dp=$((total / (tp * pp)))
+    ((nnodes == 1 || dp == 1)) ||
+        die "$name: a multi-node server must be one replica (tp*pp = $total GPUs), got tp=$tp pp=$pp"
+    is_dry_run || [[ -e "$model" ]] ||
+        log "warning: $name model '$model' not found on $(hostname) (fine for a hub id or a path mounted only on the compute nodes)"
+    local head=${nodes[0]} i
+    for ((i = 0; i < nnodes; i++)); do
+        local -a cmd=("$PYTHON" -m sglang.launch_server --model-path "$model" --host "${nodes[i]}"
+            --port "$port" --tp-size "$tp" --dp-size "$dp" --skip-tokenizer-init)
+        ((pp > 1)) && cmd+=(--pp-size "$pp")
+        ((nnodes > 1)) && cmd+=(--nnodes "$nnodes" --node-rank "$i" --dist-init-addr "$head:$((port + 1000))")
+        cmd+=("$@")
+        srun_prefix "${nodes[i]}" "$gpus"
+        launch_bg "$out/logs/sglang_$name.node$i.log" "${SRUN_PREFIX[@]}" "${cmd[@]}"
+        if ((i == 0)); then
+            SERVER_NAMES+=("$name")
+            SERVER_URLS+=("http://$head:$port")
+            SERVER_PIDS+=("$LAST_PID")
+            SERVER_LOGS+=("$out/logs/sglang_$name.node0.log")
+        fi
+    done
+}
+
+http_ok() {
+    if command -v curl >/dev/null 2>&1; then
+        curl -sf -m 5 -o /dev/null "$1"
+    else
+        python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$1" 2>/dev/null
+    fi
+}
+
+# wait_for_server NAME URL PID LOG TIMEOUT: poll URL/health until it answers 200; fail early when the
+# server step exits, and after TIMEOUT seconds.
+wait_for_server() {
+    local name=$1 url=$2 pid=$3 logfile=$4 timeout=$5
+    if is_dry_run; then
+        echo "# wait for $name: $url/health (timeout ${timeout}s)"
+        return 0
+    fi
+    local deadline=$((SECONDS + timeout))
+    until http_ok "$url/health"; do
+        if [[ -n "$pid" ]] && ! kill -0 "$pid" 2>/dev/null; then
+            die "$name server exited before it became healthy; see $logfile"
+        fi
+        ((SECONDS < deadline)) || die "$name server at $url not healthy after ${timeout}s; see $logfile"
+        sleep "$POLL_INTERVAL"
+    done
+    log "$name server ready at $url"
+}
+
+wait_for_servers() {
+    local i
+    for ((i = 0; i < ${#SERVER_NAMES[@]}; i++)); do
+        wait_for_server "${SERVER_NAMES[i]}" "${SERVER_URLS[i]}" "${SERVER_PIDS[i]}" "${SERVER_LOGS[i]}" "$SERVER_TIMEOUT"
+    done
+}
+
+# start_training NODES_CSV GPUS OUT_DIR TRAIN_ARGS... : one torchrun per node (static rendezvous on
+# the first node, node_rank = position in NODES_CSV) running `megatron_opd.cli train TRAIN_ARGS`.
+# Node 0 writes to the job's output, the others to OUT_DIR/logs.
+start_training() {
+    local nodes_csv=$1 gpus=$2 out=$3
+    shift 3
+    local -a nodes
+    IFS=, read -r -a nodes <<<"$nodes_csv"
+    local nnodes=${#nodes[@]} nproc i
+    nproc=$(gpu_count "$gpus")
+    local master=${MASTER_ADDR:-${nodes[0]}}
+    for ((i = 0; i < nnodes; i++)); do
+        local logfile=-
+        ((i == 0)) || logfile="$out/logs/train.node$i.log"
+        srun_prefix "${nodes[i]}" "$gpus"
+        launch_bg "$logfile" "${SRUN_PREFIX[@]}" "$TORCHRUN" --nnodes="$nnodes" --nproc_per_node="$nproc" \
+            --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$MASTER_PORT" \
+            -m megatron_opd.cli train "$@"
+        TRAIN_PIDS+=("$LAST_PID")
+    done
+}
+
+# wait_training: return when every torchrun exited 0; die on the first failure, or when a server
+# dies while training still runs (the trainer would otherwise hang on its requests).
+wait_training() {
+    is_dry_run && return 0
+    local -a pending=("${TRAIN_PIDS[@]}")
+    while ((${#pending[@]} > 0)); do
+        local -a still=()
+        local pid rc i
+        for pid in "${pending[@]}"; do
+            if kill -0 "$pid" 2>/dev/null; then
+                still+=("$pid")
+            else
+                rc=0
+                wait "$pid" || rc=$?
+                ((rc == 0)) || die "training step (pid $pid) exited with status $rc"
+            fi
+        done
+        pending=("${still[@]}")
+        ((${#pending[@]} > 0)) || break
+        for ((i = 0; i < ${#SERVER_PIDS[@]}; i++)); do
+            kill -0 "${SERVER_PIDS[i]}" 2>/dev/null ||
+                die "${SERVER_NAMES[i]} server died during training; see ${SERVER_LOGS[i]}"
+        done
+        sleep "$POLL_INTERVAL"
+    done
+    log "training finished"
+}

@@ -1,0 +1,100 @@
+"""The example configs in examples/: all load, the ablation rows differ only in the objective, and the
+declared model shapes match the models they name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_opd.config import PRESETS, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+ABLATION = {p: ROOT / "examples" / f"qwen2.5-math-1.5b_{p}.yaml" for p in ("opd", "opd_kl", "stable_opd")}
+
+
+def test_expected_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {f.name for f in ABLATION.values()} <= names
+    assert {"qwen2.5-math-7b_stable_opd.yaml", "llama-3.1-8b_70b-teacher_stable_opd.yaml", "cpu_tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_loads(path: Path):
+    cfg = load_config(path)
+    raw = yaml.safe_load(path.read_text())
+    # every key written in the file survived loading (no silently ignored section)
+    for section, values in raw.items():
+        for key, value in values.items():
+            got = getattr(getattr(cfg, section), key)
+            assert got == value or (isinstance(value, int) and got == float(value)), f"{path.name}: {section}.{key}"
+    # TP / PP divide the declared student shape (validate() also checks; this pins the declaration)
+    m, p = cfg.model, cfg.parallel
+    assert m.num_attention_heads is not None and m.num_query_groups is not None and m.num_layers is not None
+    assert m.num_attention_heads % p.tensor_model_parallel_size == 0
+    assert m.num_query_groups % p.tensor_model_parallel_size == 0
+    assert m.num_layers % p.pipeline_model_parallel_size == 0
+    assert cfg.rollout.temperature == 1.0, "on-policy sampling: the student's own distribution"
+
+
+def test_ablation_rows_differ_only_in_objective():
+    loaded = {p: yaml.safe_load(f.read_text()) for p, f in ABLATION.items()}
+    base = loaded["stable_opd"]
+    for preset, raw in loaded.items():
+        assert set(raw) == set(base)
+        for section in raw:
+            if section in ("algo", "logging"):
+                continue
+            assert raw[section] == base[section], f"{preset}: section {section} differs from stable_opd"
+        assert raw["logging"]["out_dir"].endswith(preset), "each row needs its own output dir"
+        assert raw["algo"]["preset"] == preset
+        cfg = load_config(ABLATION[preset])
+        # the explicit values agree with what the preset itself would fill in
+        for key, value in PRESETS[preset].items():
+            assert getattr(cfg.algo, key) == value, f"{preset}: algo.{key}"
+
+
+def test_paper_settings():
+    for path in [*ABLATION.values(), ROOT / "examples" / "qwen2.5-math-7b_stable_opd.yaml"]:
+        cfg = load_config(path)
+        assert cfg.optim.lr == 1e-6
+        assert cfg.rollout.max_new_tokens == 8192
+        assert 4 <= cfg.rollout.n_samples_per_prompt <= 8
+        assert cfg.model.family == "qwen2" and "Qwen2.5-Math" in cfg.model.hf_path
+    cfg = load_config(ABLATION["stable_opd"])
+    assert (cfg.algo.lambda_gold, cfg.algo.mixture_ratio) == (1.0, 0.25)
+    assert 0.01 <= cfg.algo.beta_kl <= 0.05
+
+
+def test_70b_teacher_layout_divides_the_model():
+    cfg = load_config(ROOT / "examples" / "llama-3.1-8b_70b-teacher_stable_opd.yaml")
+    t = cfg.teacher
+    # Llama-3.3-70B: 64 heads, 8 KV groups, 80 layers
+    assert 64 % t.tensor_model_parallel_size == 0 and 8 % t.tensor_model_parallel_size == 0
+    assert 80 % t.pipeline_model_parallel_size == 0
+    assert t.tensor_model_parallel_size * t.pipeline_model_parallel_size == 16  # two 8-GPU nodes
+    assert cfg.model.family == "llama", "the teacher's tokenizer must be the student's"
+
+
+def test_cpu_tiny_matches_tiny_models():
+    from megatron_opd.models.tiny import tiny_hf_config
+
+    cfg = load_config(ROOT / "examples" / "cpu_tiny.yaml")
+    hf = tiny_hf_config(cfg.model.family)
+    assert (cfg.model.num_attention_heads, cfg.model.num_query_groups, cfg.model.num_layers) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.num_hidden_layers)
+    assert cfg.parallel.backend == "gloo" and cfg.model.layer_spec == "local"
+    assert cfg.rollout.backend == "local" and cfg.teacher.backend != "sglang"
+    assert cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens <= hf.max_position_embeddings
+    assert cfg.train.steps * cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt <= 16, "keep it tiny"
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")), ids=lambda p: p.name)
+def test_sbatch_default_config_exists_and_loads(script: Path):
+    match = re.search(r'^CONFIG="\$\{CONFIG:-([^}]+)\}"', script.read_text(), re.M)
+    assert match, f"{script.name}: no CONFIG default"
+    cfg = load_config(ROOT / match.group(1))
+    assert cfg.rollout.backend == "sglang" and cfg.teacher.backend == "sglang"
