@@ -406,8 +406,11 @@ class Trainer:
             if self.rank == 0:
                 self.detector.reset()
 
-    def train(self) -> dict[str, float]:
+    def train(self, stop_after: Optional[int] = None) -> dict[str, float]:
+        """Run to train.steps, or return early after `stop_after` steps of this call (a time-limited
+        job slice; the last step is checkpointed so the next call resumes from it)."""
         cfg = self.cfg
+        end = cfg.train.steps if stop_after is None else min(cfg.train.steps, self.step + stop_after)
         bar = None
         if self.rank == 0 and cfg.logging.progress_bar:
             from tqdm.auto import tqdm
@@ -415,7 +418,7 @@ class Trainer:
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc="stable-opd", dynamic_ncols=True)
         last: dict[str, float] = {}
         try:
-            while self.step < cfg.train.steps:
+            while self.step < end:
                 metrics = self.train_step()
                 if metrics.get("loss/update_skipped", 0.0) > 0:
                     self.skipped_steps += 1
@@ -427,7 +430,7 @@ class Trainer:
                     self.log.log(self.step, metrics)
                 if self.rank == 0 and cfg.logging.sample_every and self.step % cfg.logging.sample_every == 1 % cfg.logging.sample_every:
                     self._log_samples()
-                if self.step % cfg.checkpoint.save_every == 0 or self.step == cfg.train.steps:
+                if self.step % cfg.checkpoint.save_every == 0 or self.step in (cfg.train.steps, end):
                     self.save()
                 last = metrics
                 if bar is not None:

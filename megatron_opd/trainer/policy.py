@@ -61,7 +61,7 @@ class MegatronPolicy:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         tp_size, pp_size = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
         sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
-                                       te_names=_uses_te_names(model))
+                                       te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
         load_megatron_state_dict(model, sd)
         self.setup = setup_training(model, cfg.optim, total_steps) if trainable else None
         self.model = self.setup.model if trainable else model
@@ -179,9 +179,7 @@ class MegatronPolicy:
             state["optimizer"] = opt.state_dict()
             # The distributed optimizer keeps Adam moments outside state_dict(); this rank's shard is
             # saved as is (resume needs the same layout, which CheckpointManager enforces).
-            state["optimizer_shards"] = [o.get_parameter_state_dp_reshardable()
-                                         if hasattr(o, "get_parameter_state_dp_reshardable") else None
-                                         for o in _optimizers(opt)]
+            state["optimizer_shards"] = [_param_state(o) for o in _optimizers(opt)]
             state["scheduler"] = self.setup.scheduler.state_dict()
         return state
 
@@ -197,8 +195,36 @@ class MegatronPolicy:
             opt.load_state_dict(state["optimizer"])
             for o, shard in zip(_optimizers(opt), state.get("optimizer_shards", [])):
                 if shard is not None:
-                    o.load_parameter_state_from_dp_reshardable(shard)
+                    with torch.no_grad():  # fp32 main params are views of the model's leaf params
+                        o.load_parameter_state_from_dp_reshardable(shard)
+                _unshare_adam_step(o)
             self.setup.scheduler.load_state_dict(state["scheduler"])
+
+
+def _param_state(opt: Any) -> Optional[dict]:
+    """This rank's distributed-optimizer shard (None for a non-distributed optimizer, whose
+    state_dict() already holds everything). megatron-core 0.16's loader expects a `padding` flag
+    per entry that its getter does not write; we add it."""
+    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
+        return None
+    state = opt.get_parameter_state_dp_reshardable()
+    for key, per_dtype in state.items():
+        if isinstance(key, int):
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        entry.setdefault("padding", False)
+    return state
+
+
+def _unshare_adam_step(opt: Any) -> None:
+    """megatron-core 0.16's DistributedOptimizer.load_state_dict (no apex/TE) gives every param one
+    shared `step` tensor; torch.optim.Adam then adds 1 per param per step and bias correction goes
+    wrong after resume. Give each param its own copy."""
+    inner = getattr(opt, "optimizer", None)
+    for st in getattr(inner, "state", {}).values():
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"] = st["step"].clone()
 
 
 def _optimizers(opt: Any) -> list[Any]:
