@@ -1,0 +1,128 @@
+"""Build megatron-core ``GPTModel`` instances from an HF config.
+
+Why GPTModel: megatron-core 0.19 deprecates GPTModel in favour of HybridModel, but we target 0.16.x
+(the newest that runs on python 3.11), where GPTModel is the supported dense decoder and exactly
+matches Qwen2/Llama. Layer spec: the local (pure megatron-core) spec on CPU, the Transformer Engine
+spec on GPU (TE is imported lazily: it does not build without CUDA). FP8 is TE-only and opt-in.
+
+Call ``init_parallel`` first: the model's TP/PP shards come from megatron's parallel state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import torch
+
+from megatron_opd.models.hf_config import transformer_config_from_hf
+
+LayerSpec = Literal["auto", "local", "te"]
+
+
+def resolve_layer_spec(layer_spec: LayerSpec, fp8: Optional[str] = None) -> Literal["local", "te"]:
+    """'auto' -> TE on GPU, local on CPU. TE without CUDA, or FP8 without TE, is an error."""
+    if layer_spec == "auto":
+        layer_spec = "te" if torch.cuda.is_available() else "local"
+    if layer_spec not in ("local", "te"):
+        raise ValueError(f"model.layer_spec: must be auto, local or te, got {layer_spec!r}")
+    if layer_spec == "te" and not torch.cuda.is_available():
+        raise ValueError("model.layer_spec=te needs CUDA (Transformer Engine); use local on CPU")
+    if fp8 is not None and layer_spec != "te":
+        raise ValueError("model.fp8 needs the Transformer Engine layer spec (model.layer_spec=te|auto on GPU)")
+    return layer_spec
+
+
+def layer_spec_for(config: Any, layer_spec: Literal["local", "te"]) -> Any:
+    """The megatron ModuleSpec for one decoder layer."""
+    if layer_spec == "te":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError as e:
+            raise ImportError("model.layer_spec=te needs transformer_engine installed") from e
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    tp: Optional[int] = None,
+    pp: Optional[int] = None,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    layer_spec: LayerSpec = "auto",
+    params_dtype: Optional[torch.dtype] = None,
+    fp8: Optional[str] = None,
+    sequence_parallel: bool = False,
+    recompute_activations: bool = False,
+    make_vocab_size_divisible_by: Optional[int] = None,
+    config_overrides: Optional[dict[str, Any]] = None,
+) -> Any:
+    """This rank's GPTModel shard for ``hf_config`` (randomly initialised; load weights separately).
+
+    ``tp``/``pp`` default to (and must match) the initialised parallel state; ``pre_process`` /
+    ``post_process`` default to whether this rank is the first / last pipeline stage.
+    The model is on the current CUDA device on GPU, on CPU otherwise. Its vocabulary is padded
+    (``model.vocab_size``); ``model.hf_vocab_size`` is the real one.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is not initialised: call "
+                           "megatron_opd.models.parallel.init_parallel(tp, pp) first")
+    cur_tp = parallel_state.get_tensor_model_parallel_world_size()
+    cur_pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp = cur_tp if tp is None else tp
+    pp = cur_pp if pp is None else pp
+    if (tp, pp) != (cur_tp, cur_pp):
+        raise ValueError(f"build_gpt_model(tp={tp}, pp={pp}) does not match the initialised parallel state "
+                         f"(tp={cur_tp}, pp={cur_pp})")
+    spec_name = resolve_layer_spec(layer_spec, fp8)
+    config, gpt_kwargs = transformer_config_from_hf(
+        hf_config, tp=tp, pp=pp, params_dtype=params_dtype, fp8=fp8, sequence_parallel=sequence_parallel,
+        recompute_activations=recompute_activations, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        overrides=config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec_for(config, spec_name),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        **gpt_kwargs,
+    )
+    # The real vocabulary: logits columns >= this index are padding (see logprobs.py).
+    model.hf_vocab_size = int(hf_config["vocab_size"] if isinstance(hf_config, dict) else hf_config.vocab_size)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_forward_only_model(hf_config: Any, **kwargs: Any) -> Any:
+    """A GPTModel for scoring only (reference policy, megatron teacher): eval mode, no grads.
+
+    Same arguments as ``build_gpt_model``. Parameters have ``requires_grad=False`` so no grad buffers
+    or optimizer state are ever allocated for them.
+    """
+    model = build_gpt_model(hf_config, **kwargs)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameters held by this rank (shared embedding/output weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+__all__ = ["build_forward_only_model", "build_gpt_model", "layer_spec_for", "num_parameters",
+           "resolve_layer_spec"]

@@ -1,0 +1,314 @@
+"""Token log-probs and full-vocab logits access for a (tensor-parallel) megatron GPTModel.
+
+Memory: logits are ``[T, V/tp]`` per rank in the model's dtype; an fp32 softmax over all T tokens at
+once would cost ``4*T*V/tp`` bytes per intermediate (5 GB at T=8192, V=152k) and autograd would keep
+it. ``vocab_parallel_token_logprobs`` is a custom autograd function that walks ``chunk_size`` tokens
+at a time in forward (saving only the per-token log-normaliser) and again in backward, where it
+writes the analytic gradient ``d logp / d z_j = onehot_j - softmax_j``. Across TP ranks the max and
+the sum-exp are all-reduced; backward needs no communication because the loss is replicated on the
+TP ranks and each rank owns the gradient of its own vocab shard.
+
+Vocab padding: megatron pads the vocabulary (``weight_mapping.padded_vocab_size``); columns at or
+beyond the real ``vocab_size`` are masked out of every softmax here.
+
+Sequence packing: megatron's local layer spec rejects ``PackedSeqParams`` (THD) in its
+DotProductAttention (checked on 0.16.1), so on CPU variable-length rollouts are right-padded
+``[B, S]`` batches. With a causal mask, trailing padding cannot influence earlier positions, so no
+extra mask is needed (tests check padding leaves log-probs unchanged). ``forward_logprobs`` passes
+``packed_seq_params`` through for the TE spec on GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+Reduce = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+def _group_size_rank(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if tp_group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def vocab_parallel_reduce(tp_group: Optional[dist.ProcessGroup] = None) -> Reduce:
+    """``reduce(tensor, op)`` for algo/ (docs/design.md): identity on one rank, else an all-reduce
+    ("sum" or "max") over ``tp_group`` of a copy of ``tensor``. Not differentiable: algo/ uses it
+    inside custom autograd functions whose backward needs no cross-shard reduction."""
+    size, _ = _group_size_rank(tp_group)
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if op not in ("sum", "max"):
+            raise ValueError(f"reduce op must be 'sum' or 'max', got {op!r}")
+        if size == 1:
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=tp_group)
+        return out
+
+    return reduce
+
+
+def _local_vocab_range(v_local: int, tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    _, rank = _group_size_rank(tp_group)
+    return rank * v_local, (rank + 1) * v_local
+
+
+def _valid_columns(v_local: int, vocab_size: Optional[int], tp_group: Optional[dist.ProcessGroup]) -> int:
+    """How many leading columns of this rank's shard are real vocabulary (the rest is padding)."""
+    start, end = _local_vocab_range(v_local, tp_group)
+    if vocab_size is None:
+        return v_local
+    return max(0, min(end, vocab_size) - start)
+
+
+class _VocabParallelTokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, tp_group, vocab_size, chunk_size):  # type: ignore[override]
+        N, v_local = logits.shape
+        start, _ = _local_vocab_range(v_local, tp_group)
+        n_valid = _valid_columns(v_local, vocab_size, tp_group)
+        size, _ = _group_size_rank(tp_group)
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        lse = torch.empty(N, dtype=acc, device=logits.device)
+        tgt_logit = torch.empty(N, dtype=acc, device=logits.device)
+        local_t = target - start
+        in_shard = (local_t >= 0) & (local_t < n_valid)
+        local_t = local_t.clamp(0, v_local - 1)
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            x = logits[s:e].to(acc, copy=True)
+            if n_valid < v_local:
+                x[:, n_valid:] = float("-inf")
+            m = x.max(dim=-1).values
+            if size > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            sumexp = (x - m[:, None]).exp_().sum(dim=-1)
+            t = x.gather(1, local_t[s:e, None]).squeeze(1)
+            t = torch.where(in_shard[s:e], t, torch.zeros_like(t))
+            if size > 1:
+                dist.all_reduce(sumexp, group=tp_group)
+                dist.all_reduce(t, group=tp_group)
+            lse[s:e] = m + sumexp.log()
+            tgt_logit[s:e] = t
+        logp = tgt_logit - lse
+        if not bool(torch.isfinite(logp).all()):
+            bad = int((~torch.isfinite(logp)).nonzero()[0])
+            raise ValueError(f"logits: non-finite token log-prob at flat position {bad} (NaN/inf logits)")
+        ctx.save_for_backward(logits, local_t, in_shard, lse)
+        ctx.n_valid, ctx.chunk_size = n_valid, chunk_size
+        return logp.to(logits.dtype) if logits.dtype != acc else logp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp):  # type: ignore[override]
+        logits, local_t, in_shard, lse = ctx.saved_tensors
+        N, v_local = logits.shape
+        grad = torch.empty_like(logits)
+        for s in range(0, N, ctx.chunk_size):
+            e = min(N, s + ctx.chunk_size)
+            g = grad_logp[s:e].to(lse.dtype)
+            p = logits[s:e].to(lse.dtype, copy=True).sub_(lse[s:e, None]).exp_()
+            if ctx.n_valid < v_local:
+                p[:, ctx.n_valid:] = 0.0
+            p.mul_(-g[:, None])
+            rows = torch.arange(e - s, device=logits.device)[in_shard[s:e]]
+            p[rows, local_t[s:e][in_shard[s:e]]] += g[in_shard[s:e]]
+            grad[s:e] = p.to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def vocab_parallel_token_logprobs(
+    logits_shard: torch.Tensor,
+    target_ids: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    *,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``log softmax(logits)[target]`` for logits sharded over the vocab: ``[..., V/tp]`` -> ``[...]``.
+
+    ``tp_group`` None (or size 1): the shard is the whole vocabulary. ``vocab_size``: the real
+    vocabulary; columns at or beyond it (megatron's padding) are excluded. Differentiable w.r.t. the
+    logits. Targets outside ``[0, vocab_size)`` are an error.
+    """
+    if logits_shard.shape[:-1] != target_ids.shape:
+        raise ValueError(f"target_ids: shape {tuple(target_ids.shape)} does not match logits "
+                         f"{tuple(logits_shard.shape)} without the vocab dim")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+    size, _ = _group_size_rank(tp_group)
+    v_total = logits_shard.shape[-1] * size
+    limit = v_total if vocab_size is None else min(vocab_size, v_total)
+    if target_ids.numel() and (int(target_ids.min()) < 0 or int(target_ids.max()) >= limit):
+        raise ValueError(f"target_ids: values must be in [0, {limit}), got range "
+                         f"[{int(target_ids.min())}, {int(target_ids.max())}]")
+    flat = logits_shard.reshape(-1, logits_shard.shape[-1])
+    out = _VocabParallelTokenLogprob.apply(flat, target_ids.reshape(-1).long(), tp_group, vocab_size,
+                                           int(chunk_size))
+    return out.reshape(target_ids.shape)
+
+
+def mask_vocab_padding(logits_shard: torch.Tensor, vocab_size: Optional[int],
+                       tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Set this rank's padding columns (global index >= ``vocab_size``) to a huge negative finite
+    value, so they get zero probability in algo/'s full-vocab KL without producing ``-inf - -inf``.
+    Returns the input unchanged when the shard holds no padding; otherwise a differentiable copy."""
+    v_local = logits_shard.shape[-1]
+    n_valid = _valid_columns(v_local, vocab_size, tp_group)
+    if n_valid == v_local:
+        return logits_shard
+    fill = max(torch.finfo(logits_shard.dtype).min, -1e30)
+    mask = torch.arange(v_local, device=logits_shard.device) >= n_valid
+    return logits_shard.masked_fill(mask, fill)
+
+
+def iter_logit_chunks(
+    logits_shard: torch.Tensor,
+    chunk_size: int,
+    *,
+    vocab_size: Optional[int] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(start, end, logits[start:end])`` over the flattened tokens of ``[..., V/tp]`` logits,
+    each chunk ``[chunk, V/tp]`` with vocab padding masked (see ``mask_vocab_padding``), so callers can
+    compute full-vocab quantities (reference KL) without one fp32 ``[T, V]`` tensor."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+    flat = logits_shard.reshape(-1, logits_shard.shape[-1])
+    for s in range(0, flat.shape[0], chunk_size):
+        e = min(flat.shape[0], s + chunk_size)
+        yield s, e, mask_vocab_padding(flat[s:e], vocab_size, tp_group)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_vocab_size(model: torch.nn.Module) -> Optional[int]:
+    """The real (unpadded) vocabulary of a model from ``gpt.build_gpt_model``."""
+    return getattr(_unwrap(model), "hf_vocab_size", None)
+
+
+def default_tp_group() -> Optional[dist.ProcessGroup]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    packed_seq_params: Any = None,
+) -> torch.Tensor:
+    """``[B, S, V/tp]`` logits from a model that is both first and last pipeline stage.
+
+    ``attention_mask`` None means plain causal (right padding needs nothing more, see module doc).
+    """
+    inner = _unwrap(model)
+    if not (getattr(inner, "pre_process", True) and getattr(inner, "post_process", True)):
+        raise ValueError("forward_logits needs a model that is the first and last pipeline stage; "
+                         "with pipeline parallelism use pipeline.forward_backward")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [B, S], got shape {tuple(input_ids.shape)}")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    kwargs = {"packed_seq_params": packed_seq_params} if packed_seq_params is not None else {}
+    return model(input_ids, position_ids, attention_mask, **kwargs)
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    target_ids: Optional[torch.Tensor] = None,
+    *,
+    packed_seq_params: Any = None,
+    tp_group: Any = "auto",
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``logp[b, s] = log p(target_ids[b, s] | input_ids[b, :s+1])`` for a first-and-last-stage model.
+
+    ``target_ids`` default: the next token (``input_ids`` shifted left; the last position gets
+    target 0 and should be masked by the caller). Differentiable when the model has grads.
+    """
+    if target_ids is None:
+        target_ids = torch.roll(input_ids, shifts=-1, dims=1)
+        target_ids[:, -1] = 0
+    logits = forward_logits(model, input_ids, position_ids, attention_mask, packed_seq_params)
+    group = default_tp_group() if tp_group == "auto" else tp_group
+    return vocab_parallel_token_logprobs(logits, target_ids, group, vocab_size=model_vocab_size(model),
+                                         chunk_size=chunk_size)
+
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    microbatches: list[dict],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run megatron's pipeline schedule (``get_forward_backward_func``) over ``microbatches``.
+
+    Each microbatch is a dict with ``input_ids`` [b, S] (every microbatch the same b), optional
+    ``position_ids`` / ``attention_mask``, and whatever ``loss_fn`` needs; every rank of a TP/PP group
+    passes the same list. On the last stage ``loss_fn(logits [b, S, V/tp], microbatch)`` returns
+    ``(scalar loss, dict of tensors to report)``; megatron averages the loss over microbatches before
+    backward. Returns the reported dicts (last pipeline stage; ``[]`` elsewhere). Works for PP=1 too.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("microbatches: empty")
+    b, s = microbatches[0]["input_ids"].shape
+    for i, mb in enumerate(microbatches):
+        if mb["input_ids"].shape[0] != b:
+            raise ValueError(f"microbatches[{i}].input_ids: batch {mb['input_ids'].shape[0]} != {b} "
+                             "(megatron's schedule needs one micro-batch size)")
+
+    def forward_step(data_iterator: Iterator[dict], mdl: torch.nn.Module):
+        mb = next(data_iterator)
+        ids = mb["input_ids"]
+        pos = mb.get("position_ids")
+        if pos is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        out = mdl(ids, pos, mb.get("attention_mask"))
+
+        def loss_func(output_tensor: torch.Tensor):
+            return loss_fn(output_tensor, mb)
+
+        return out, loss_func
+
+    max_s = max(mb["input_ids"].shape[1] for mb in microbatches)
+    return list(get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=max_s,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    ))
+
+
+__all__ = [
+    "LossFn", "forward_backward",
+    "Reduce", "default_tp_group", "forward_logits", "forward_logprobs", "iter_logit_chunks",
+    "mask_vocab_padding", "model_vocab_size", "vocab_parallel_reduce", "vocab_parallel_token_logprobs",
+]

@@ -1,0 +1,130 @@
+"""megatron-core training plumbing: DDP wrap, optimizer, LR schedule, one optimizer step.
+
+We use megatron's own pieces (``DistributedDataParallel`` with contiguous grad buffers,
+``get_megatron_optimizer``, ``OptimizerParamScheduler``) so the GPU path is the standard, tested one
+(distributed optimizer = ZeRO-1 sharding of Adam state over data-parallel ranks, grad clipping by the
+global norm across TP/PP/DP). On CPU the same classes run thanks to ``cpu_compat``; with no apex/TE
+megatron falls back to ``torch.optim.AdamW`` internally, which it reports with a warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_opd.config import OptimConfig
+
+
+@dataclass
+class TrainingSetup:
+    """The three objects a training loop needs; ``model`` is the DDP-wrapped GPTModel."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+
+
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = True,
+             grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False) -> Any:
+    """Wrap a GPTModel in megatron's DDP (contiguous fp32 grad buffers, ``param.main_grad``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def optimizer_config(optim: OptimConfig, params_dtype: torch.dtype) -> Any:
+    """megatron ``OptimizerConfig`` from our ``OptimConfig`` (Adam; bf16/fp16 keep fp32 main params)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+
+
+def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
+    """megatron ``OptimizerParamScheduler`` stepping once per optimizer step (warmup from 0, then
+    ``lr_decay_style`` to ``min_lr`` over the remaining steps; constant weight decay)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if total_steps < 1:
+        raise ValueError(f"total_steps: must be >= 1, got {total_steps}")
+    if optim.warmup_steps > total_steps:
+        raise ValueError(f"optim.warmup_steps: {optim.warmup_steps} exceeds the {total_steps} training steps")
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.lr_decay_style != "constant" else optim.lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(total_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=total_steps,
+        wd_incr_style="constant",
+    )
+
+
+def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int) -> TrainingSetup:
+    """DDP-wrap ``model``, build the megatron optimizer and scheduler, and hook megatron's grad
+    finalisation (DP all-reduce / reduce-scatter, tied-embedding grads across PP stages) into the
+    model config so ``get_forward_backward_func`` schedules run it."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    ddp = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
+    cfg = model.config
+    opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [ddp])
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.grad_scale_func = opt.scale_loss
+    sched = build_scheduler(opt, optim, total_steps)
+    return TrainingSetup(model=ddp, optimizer=opt, scheduler=sched)
+
+
+def zero_grads(setup: TrainingSetup) -> None:
+    """Clear DDP grad buffers and optimizer grads before a new step's backward passes."""
+    setup.model.zero_grad_buffer()
+    setup.optimizer.zero_grad()
+
+
+def optimizer_step(setup: TrainingSetup) -> dict[str, float]:
+    """Clip, step, advance the LR schedule. Returns ``{"grad_norm", "lr", "update_skipped"}``.
+
+    Gradients must already be finalised (``forward_backward`` does it through the schedule).
+    A skipped update (fp16 overflow or non-finite grad norm) does not advance the schedule.
+    """
+    ok, grad_norm, _ = setup.optimizer.step()
+    if ok:
+        setup.scheduler.step(increment=1)
+    lr = setup.optimizer.param_groups[0]["lr"]
+    return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr),
+            "update_skipped": float(not ok)}
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+__all__ = ["TrainingSetup", "build_scheduler", "optimizer_config", "optimizer_step", "setup_training",
+           "unwrap", "wrap_ddp", "zero_grads"]

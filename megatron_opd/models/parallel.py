@@ -1,0 +1,131 @@
+"""Bring torch.distributed and megatron's parallel state up and down.
+
+One entry point for trainer, teacher, converter and tests: it reads the env vars torchrun sets
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or, without them, makes a single-process
+world on a free local port, so the same code runs under torchrun, tests/_dist.py and plain python.
+nccl with CUDA, gloo without (after applying the CPU shims).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.models.cpu_compat import apply_cpu_shims
+
+Backend = Literal["auto", "nccl", "gloo"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: Backend = "auto") -> str:
+    """'auto' -> nccl with CUDA, else gloo. nccl without CUDA is an error naming the option."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA; use gloo (or auto) on CPU")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"parallel.backend: must be auto, nccl or gloo, got {backend!r}")
+    return backend
+
+
+def init_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    backend: Backend = "auto",
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> None:
+    """Initialise torch.distributed (if needed) and megatron's TP/PP/DP groups, then seed RNGs.
+
+    `tp * pp` must divide the world size; the remainder is data parallel. Re-initialising with the
+    same sizes is a no-op apart from re-seeding; with different sizes the old groups are destroyed.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    if tp < 1 or pp < 1:
+        raise ValueError(f"parallel sizes must be >= 1, got tp={tp} pp={pp}")
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        apply_cpu_shims()
+    be = resolve_backend(backend)
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            if "MASTER_PORT" not in os.environ:
+                if world != 1:
+                    raise ValueError("MASTER_PORT is not set but WORLD_SIZE > 1 (launch with torchrun)")
+                os.environ["MASTER_PORT"] = str(_free_port())
+        else:
+            rank, world = 0, 1
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        dist.init_process_group(backend=be, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=timeout_minutes))
+
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size * "
+                         f"pipeline_model_parallel_size = {tp} * {pp}")
+    if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == tp
+                and parallel_state.get_pipeline_model_parallel_world_size() == pp)
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            distributed_timeout_minutes=timeout_minutes,
+            create_gloo_process_groups=True,
+        )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_group() -> Optional[dist.ProcessGroup]:
+    """The tensor-parallel group, or None when TP is 1 (callers then skip the collectives)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def is_pipeline_first_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+
+
+def is_pipeline_last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+__all__ = ["destroy_parallel", "init_parallel", "is_pipeline_first_stage", "is_pipeline_last_stage",
+           "resolve_backend", "tp_group"]
