@@ -1,1 +1,32 @@
+"""Teacher log-prob scoring (HF, Megatron, SGLang server) behind the contract in base.py."""
 
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from megatron_opd.teacher.base import Teacher, TeacherScore, TeacherScoreError, validate_scores
+
+
+def make_teacher(cfg: Any, eos_token_ids: Optional[list[int]] = None) -> Teacher:
+    """Teacher for a `TeacherConfig`. backend=megatron needs init_parallel(teacher TP, PP) done first;
+    backend=sglang talks to cfg.server_url (an already running SGLang server)."""
+    if cfg.backend == "hf":
+        from megatron_opd.teacher.hf import HFTeacher
+
+        return HFTeacher.from_pretrained(cfg.hf_path, micro_batch_size=cfg.micro_batch_size)
+    if cfg.backend == "megatron":
+        from megatron_opd.teacher.megatron import MegatronTeacher
+
+        return MegatronTeacher.from_hf(cfg.hf_path, micro_batch_size=cfg.micro_batch_size)
+    if cfg.backend == "sglang":
+        from megatron_opd.rollout.base import eos_ids_from
+        from megatron_opd.teacher.sglang import SGLangTeacher
+
+        if cfg.server_url is None:
+            raise ValueError("teacher.server_url: required for teacher.backend=sglang (start the server first)")
+        ids = eos_token_ids if eos_token_ids is not None else eos_ids_from(cfg.hf_path)
+        return SGLangTeacher(cfg.server_url, eos_token_ids=ids, micro_batch_size=cfg.micro_batch_size)
+    raise ValueError(f"teacher.backend: unknown {cfg.backend!r} (expected megatron, sglang or hf)")
+
+
+__all__ = ["Teacher", "TeacherScore", "TeacherScoreError", "make_teacher", "validate_scores"]

@@ -1,0 +1,244 @@
+"""Local rollout engine: KV-cached batched sampling on an HF transformers copy of the student.
+
+Why it exists: CPU tests, tiny-model demos and environments without SGLang still need real on-policy
+rollouts with behaviour log-probs and the same weight-sync/version contract as SGLang.
+
+Log-prob semantics (per generated token y_t):
+  * `Sample.logprobs[t]` = log q(y_t), q the exact distribution y_t was drawn from: softmax(logits / T)
+    restricted to the top-k / top-p set and renormalised. With top-k/top-p off this is the
+    "after temperature" log-prob. Greedy (temperature=0) reports the raw log-prob.
+  * `Sample.raw_logprobs[t]` = log softmax(logits)[y_t] at temperature 1, no truncation: what a plain
+    teacher-forced forward of the same model gives.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature-scale `logits` [B, V] (float32) and set everything outside the top-k / nucleus to -inf.
+    The top-p set is the smallest prefix of the sorted distribution whose mass reaches top_p."""
+    x = logits / temperature
+    if top_k > 0 and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # the first token is always kept (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """NaN/inf anywhere makes the sum non-finite; the exact (slower) check runs only then, so a
+    finite tensor whose sum overflows is not rejected."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+class LocalEngine:
+    """RolloutEngine on an HF causal LM (see module docstring for log-prob semantics).
+
+    Build from an HF directory (`LocalEngine.from_pretrained`) or from a module (`LocalEngine(model)`,
+    optionally followed by `update_weights`). `max_batch_size` bounds the rows decoded together.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: Optional[Iterable[int]] = None,
+                 pad_token_id: Optional[int] = None, max_batch_size: int = 64, weight_version: int = 0,
+                 check_finite_weights: bool = True):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+        self.model = model.eval()
+        self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
+        cfg = getattr(model, "config", None)
+        pad = pad_token_id if pad_token_id is not None else getattr(cfg, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.vocab_size = int(getattr(cfg, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.check_finite_weights = check_finite_weights
+        self._pending_version: Optional[int] = None
+        self._pending_covered: set[int] = set()
+        self._dirty: Optional[str] = None
+        self._params = dict(model.state_dict(keep_vars=True))
+        self._generator = torch.Generator(device="cpu")
+        self._generator.seed()
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._device = next(model.parameters()).device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        **kwargs: Any) -> "LocalEngine":
+        from transformers import AutoModelForCausalLM
+
+        p = Path(path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"LocalEngine: {p}/config.json not found (expected an HF model directory)")
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype).to(device)
+        kwargs.setdefault("eos_token_ids", eos_ids_from(p))
+        return cls(model, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # generation
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """len(prompts) * n samples grouped by prompt. Seeded: the same seed and inputs give the same output."""
+        validate_sampling(sampling)
+        if self._pending_version is not None:
+            raise RuntimeError(f"LocalEngine.generate: weight update to version {self._pending_version} is in "
+                               "progress (last_bucket not received); refusing to sample from mixed weights")
+        if self._dirty:
+            raise RuntimeError(f"LocalEngine.generate: {self._dirty}; send a complete update first")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}]: token ids {bad[:5]} outside [0, {self.vocab_size})")
+        gen = self._generator
+        if sampling.seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(sampling.seed)
+        stop = set(self.eos_token_ids) | set(sampling.stop_token_ids)
+        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        out: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            out.extend(self._generate_batch(rows[start:start + self.max_batch_size], sampling, stop, gen))
+        return out
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1, :].float()
+
+    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raw = torch.log_softmax(logits, dim=-1)
+        if sp.temperature == 0:
+            tok = raw.argmax(dim=-1)
+            lp = raw.gather(-1, tok[:, None])[:, 0]
+            return tok, lp, lp
+        q = torch.log_softmax(filter_logits(logits, sp.temperature, sp.top_k, sp.top_p), dim=-1)
+        tok = torch.multinomial(q.exp().cpu(), 1, generator=gen)[:, 0].to(logits.device)
+        return tok, q.gather(-1, tok[:, None])[:, 0], raw.gather(-1, tok[:, None])[:, 0]
+
+    def _generate_batch(self, rows: list[tuple[int, list[int]]], sp: SamplingParams, stop: set[int],
+                        gen: torch.Generator) -> list[Sample]:
+        from transformers import DynamicCache
+
+        dev = self._device
+        lens = [len(p) for _, p in rows]
+        width = max(lens)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, (_, p) in enumerate(rows):  # left padding: the next token is always at column -1
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, pos, cache)
+        next_pos = torch.tensor(lens, device=dev)
+
+        resp: list[list[int]] = [[] for _ in rows]
+        lps: list[list[float]] = [[] for _ in rows]
+        raws: list[list[float]] = [[] for _ in rows]
+        reason = ["length"] * len(rows)
+        alive = list(range(len(rows)))  # batch row j decodes sample alive[j]
+        for step in range(sp.max_new_tokens):
+            tok, lp, raw = self._sample(logits, sp, gen)
+            keep = []
+            for j, (t, a, b) in enumerate(zip(tok.tolist(), lp.tolist(), raw.tolist())):
+                r = alive[j]
+                resp[r].append(t)
+                lps[r].append(a)
+                raws[r].append(b)
+                if t in stop:
+                    reason[r] = "stop"
+                else:
+                    keep.append(j)
+            if not keep or step == sp.max_new_tokens - 1:
+                break
+            if len(keep) < len(alive):
+                idx = torch.tensor(keep, device=dev)
+                cache.reorder_cache(idx)
+                mask, tok, next_pos = mask[idx], tok[idx], next_pos[idx]
+                alive = [alive[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+        return [Sample(prompt_index=i, prompt_ids=list(p), response_ids=resp[r], logprobs=lps[r],
+                       finish_reason=reason[r], weight_version=self.weight_version, raw_logprobs=raws[r])
+                for r, (i, p) in enumerate(rows)]
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       last_bucket: bool = True) -> None:
+        """Copy HF-named tensors into the model. Names must exist and shapes match (else ValueError naming
+        the tensor); the update must cover every parameter by its last bucket (tied weights count once).
+        The version must increase; weight_version changes only when the last bucket is in. A bucket is
+        validated before any of it is copied; if a later bucket fails after earlier ones were applied,
+        the engine refuses to generate until a complete update arrives."""
+        bucket = list(named_tensors)
+        if self._pending_version is None:
+            if version <= self.weight_version:
+                raise ValueError(f"update_weights: version {version} must be > current weight_version "
+                                 f"{self.weight_version}")
+            self._pending_version, self._pending_covered = version, set()
+        elif version != self._pending_version:
+            self._fail(f"bucket for version {version} while version {self._pending_version} is in progress")
+        for name, t in bucket:
+            dst = self._params.get(name)
+            if dst is None:
+                self._fail(f"unknown parameter name {name!r} (model has e.g. {list(self._params)[:3]})")
+            if tuple(dst.shape) != tuple(t.shape):
+                self._fail(f"{name}: shape {tuple(t.shape)} != model {tuple(dst.shape)}")
+            if self.check_finite_weights and t.is_floating_point() and not _all_finite(t):
+                self._fail(f"{name}: contains NaN/inf")
+        for name, t in bucket:
+            dst = self._params[name]
+            dst.copy_(t)
+            self._pending_covered.add(id(dst))
+        if last_bucket:
+            missing = [n for n, p in self._params.items()
+                       if isinstance(p, torch.nn.Parameter) and id(p) not in self._pending_covered]
+            if missing:
+                self._fail(f"version {version} is incomplete: {len(missing)} parameter(s) never sent, "
+                           f"e.g. {missing[:5]}")
+            self.weight_version = version
+            self._pending_version, self._pending_covered, self._dirty = None, set(), None
+
+    def _fail(self, msg: str) -> None:
+        if self._pending_covered:  # earlier buckets were applied: the weights are now mixed
+            self._dirty = f"a failed weight update to version {self._pending_version} left mixed weights ({msg})"
+        self._pending_version, self._pending_covered = None, set()
+        raise ValueError(f"update_weights: {msg}")
+
+    def named_hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The engine's current HF-named parameters (views, not copies)."""
+        seen: set[int] = set()
+        for n, p in self._params.items():
+            if isinstance(p, torch.nn.Parameter) and id(p) not in seen:
+                seen.add(id(p))
+                yield n, p.detach()
+
+    def shutdown(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        self._params = {}
+
+
+__all__ = ["LocalEngine", "filter_logits"]

@@ -1,0 +1,197 @@
+"""Lifecycle of an HTTP inference server subprocess (SGLang's `launch_server`, or any server with /health).
+
+Why: a rollout or teacher server that dies (OOM, CUDA error) must surface as one clear error carrying
+its last log lines, not as a hung trainer or an opaque ConnectionRefused. The server binds 127.0.0.1
+by default (it accepts weight-update requests, so it must not be reachable from outside by accident).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+
+class ServerError(RuntimeError):
+    """The server failed to start, died, or did not answer in time."""
+
+
+def http_json(url: str, payload: Optional[dict] = None, timeout: float = 60.0, method: Optional[str] = None) -> Any:
+    """GET (payload None) or POST JSON; returns the decoded JSON body (or the text if not JSON).
+    HTTP error statuses raise ServerError with the body, which is where servers put the reason."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read().decode()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:2000]
+        raise ServerError(f"{url}: HTTP {e.code}: {detail}") from None
+    try:
+        return json.loads(body) if body else None
+    except json.JSONDecodeError:
+        return body
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"<log unavailable: {e}>"
+
+
+class ServerProcess:
+    """One server subprocess: start + health wait, liveness checks, requests with retries, shutdown.
+
+    `cmd` is the full argv. The process runs in its own session so shutdown reaches the workers it
+    spawns (SGLang forks scheduler/detokenizer processes) and only those. stdout+stderr go to `log_path`.
+    `max_restarts` > 0 restarts a dead server on the next request instead of raising.
+    """
+
+    def __init__(self, cmd: Sequence[str], host: str = "127.0.0.1", port: int = 30000, health_path: str = "/health",
+                 startup_timeout: float = 600.0, request_timeout: float = 600.0, retries: int = 2,
+                 log_path: Optional[str | Path] = None, env: Optional[dict[str, str]] = None, max_restarts: int = 0,
+                 log_tail_lines: int = 40):
+        self.cmd = [str(c) for c in cmd]
+        self.host, self.port = host, port
+        self.health_path = health_path
+        self.startup_timeout = startup_timeout
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.log_tail_lines = log_tail_lines
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="server_", suffix=".log")[1])
+        self.proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            raise ServerError(f"server at {self.url} already running (pid {self.proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+        finally:
+            log.close()
+        self.wait_healthy(self.startup_timeout)
+        return self
+
+    def last_log(self, n: Optional[int] = None) -> str:
+        return _tail(self.log_path, n or self.log_tail_lines)
+
+    def _died(self, what: str) -> ServerError:
+        rc = self.proc.returncode if self.proc is not None else None
+        return ServerError(f"server {self.url} {what} (exit code {rc}); command: {' '.join(self.cmd)}\n"
+                           f"--- last log lines ({self.log_path}) ---\n{self.last_log()}")
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            http_json(self.url + self.health_path, timeout=timeout)
+            return True
+        except (ServerError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            if not self.is_alive():
+                raise self._died("exited during start-up")
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise ServerError(f"server {self.url} not healthy after {timeout:.0f}s; killed it.\n"
+                                  f"--- last log lines ({self.log_path}) ---\n{self.last_log()}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 2.0)
+
+    def ensure_alive(self) -> None:
+        """Raise (or restart, within max_restarts) if the process has exited."""
+        if self.is_alive():
+            return
+        if self.proc is None:
+            raise ServerError(f"server {self.url} was never started")
+        if self.restarts < self.max_restarts:
+            err = self._died("died")
+            self.restarts += 1
+            print(f"[server] restarting ({self.restarts}/{self.max_restarts}) after: {err}", file=sys.stderr)
+            self.start()
+            return
+        raise self._died("died")
+
+    def request(self, path: str, payload: Optional[dict] = None, timeout: Optional[float] = None,
+                retries: Optional[int] = None) -> Any:
+        """POST (or GET) `path`; connection failures are retried with backoff while the process lives
+        (pass retries=0 for requests that must not run twice). A dead server raises ServerError with
+        its log tail (or is restarted first, within max_restarts)."""
+        last: Optional[BaseException] = None
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
+            self.ensure_alive()
+            try:
+                return http_json(self.url + path, payload, timeout=timeout or self.request_timeout)
+            except ServerError:
+                raise
+            except (OSError, urllib.error.URLError) as e:  # refused / reset / timeout
+                last = e
+                time.sleep(min(0.5 * 2 ** attempt, 5.0))
+        if not self.is_alive():
+            raise self._died(f"died while serving {path}")
+        raise ServerError(f"server {self.url}{path}: no answer after {retries + 1} attempt(s): {last}")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after `timeout`."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                p.wait(timeout=wait)
+                try:  # the group may outlive its leader (forked workers)
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start() if not self.is_alive() else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def sglang_server_cmd(model_path: str | Path, host: str = "127.0.0.1", port: int = 30000,
+                      extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """argv for `python -m sglang.launch_server` serving `model_path` on host:port (token ids in/out)."""
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
+            "--port", str(port), "--skip-tokenizer-init", *extra_args]
+
+
+__all__ = ["ServerError", "ServerProcess", "http_json", "sglang_server_cmd"]

@@ -1,0 +1,171 @@
+"""Megatron teacher: a forward-only GPTModel with its own TP/PP, loaded from an HF checkpoint.
+
+Every rank of the teacher's model-parallel group calls `score` with the same inputs (SPMD) and gets
+the same result back: the last pipeline stage computes the log-probs (vocab-parallel, never
+gathering [T, V] logits) and broadcasts them to the other stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_opd.rollout.base import eos_ids_from
+from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the *.safetensors files in an HF directory."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group: Any
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k full-vocab log-probs of vocab-sharded logits [N, V/tp] -> (ids [N, k], logprobs [N, k]).
+    Each rank proposes its local top-k; the global top-k is among the gathered tp*k candidates."""
+    x = logits.float()
+    size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    v_local = x.shape[-1]
+    start = rank * v_local
+    n_valid = max(0, min(v_local, vocab_size - start))
+    if n_valid < v_local:
+        x = x.clone()
+        x[:, n_valid:] = float("-inf")
+    m = x.max(dim=-1).values
+    if size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    sumexp = (x - m[:, None]).exp().sum(-1)
+    if size > 1:
+        dist.all_reduce(sumexp, group=tp_group)
+    lp = x - (m + sumexp.log())[:, None]
+    kk = min(k, v_local)
+    vals, ids = torch.topk(lp, kk, dim=-1)
+    ids = ids + start
+    if size > 1:
+        all_vals = [torch.empty_like(vals) for _ in range(size)]
+        all_ids = [torch.empty_like(ids) for _ in range(size)]
+        dist.all_gather(all_vals, vals.contiguous(), group=tp_group)
+        dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
+        vals, ids = torch.cat(all_vals, -1), torch.cat(all_ids, -1)
+    best_vals, pos = torch.topk(vals, k, dim=-1)
+    return ids.gather(-1, pos), best_vals
+
+
+class MegatronTeacher:
+    """Forward-only megatron teacher. Call `megatron_opd.models.parallel.init_parallel(tp, pp)` first
+    (the teacher's sizes); build with `from_hf`. `score` is collective over the model-parallel group."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: Any, eos_token_ids: list[int], micro_batch_size: int = 8,
+                 pad_token_id: int = 0):
+        if micro_batch_size < 1:
+            raise ValueError(f"teacher.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        self.model = model
+        self.hf_config = hf_config
+        self.vocab_size = int(hf_config.vocab_size)
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.micro_batch_size = micro_batch_size
+        self.pad_token_id = pad_token_id
+
+    @classmethod
+    def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
+                params_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> "MegatronTeacher":
+        from megatron.core import parallel_state
+        from transformers import AutoConfig
+
+        from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
+        from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
+
+        p = Path(path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"MegatronTeacher: {p}/config.json not found (expected an HF model directory)")
+        cfg = AutoConfig.from_pretrained(str(p))
+        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype)
+        sd = hf_to_megatron_state_dict(
+            load_hf_state_dict(p), cfg,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+            te_names=resolve_layer_spec(layer_spec) == "te", vocab_padded=model.vocab_size)
+        load_megatron_state_dict(model, sd)
+        kwargs.setdefault("eos_token_ids", eos_ids_from(p))
+        return cls(model, cfg, micro_batch_size=micro_batch_size, **kwargs)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], responses: list[list[int]], top_k: int = 0) -> list[TeacherScore]:
+        from megatron.core import parallel_state
+
+        from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
+
+        check_score_inputs(prompts, responses, self.vocab_size, top_k)
+        n = len(prompts)
+        if n == 0:
+            return []
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        width = max(len(s) for s in seqs)
+        mbs = self.micro_batch_size
+        rows = -(-n // mbs) * mbs  # megatron's schedule needs equal micro-batches: pad with dummy rows
+        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        for i, s in enumerate(seqs):  # right padding; causal attention keeps real positions exact
+            ids[i, :len(s)] = torch.tensor(s)
+        device = next(self.model.parameters()).device
+        ids = ids.to(device)
+        targets = torch.roll(ids, -1, dims=1)
+        targets[:, -1] = 0
+        tp_group = default_tp_group()
+        K = top_k
+
+        def loss_fn(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+            lp = vocab_parallel_token_logprobs(logits, mb["targets"], tp_group, vocab_size=self.vocab_size)
+            rep = {"logp": lp.float()}
+            if K:
+                b, s, v = logits.shape
+                tid, tlp = vocab_parallel_topk(logits.reshape(b * s, v), K, self.vocab_size, tp_group)
+                rep["topk_ids"], rep["topk_lp"] = tid.reshape(b, s, K), tlp.reshape(b, s, K)
+            return lp.sum() * 0.0, rep
+
+        micro = [{"input_ids": ids[s:s + mbs], "targets": targets[s:s + mbs]} for s in range(0, rows, mbs)]
+        reports = forward_backward(self.model, micro, loss_fn, forward_only=True)
+
+        logp = torch.empty(rows, width, dtype=torch.float32, device=device)
+        topk_ids = torch.empty(rows, width, K, dtype=torch.long, device=device) if K else None
+        topk_lp = torch.empty(rows, width, K, dtype=torch.float32, device=device) if K else None
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        if last:
+            if len(reports) != len(micro):
+                raise RuntimeError(f"MegatronTeacher: {len(reports)} reports for {len(micro)} micro-batches")
+            logp.copy_(torch.cat([r["logp"] for r in reports]))
+            if K:
+                topk_ids.copy_(torch.cat([r["topk_ids"] for r in reports]))
+                topk_lp.copy_(torch.cat([r["topk_lp"] for r in reports]))
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            src = parallel_state.get_pipeline_model_parallel_last_rank()
+            group = parallel_state.get_pipeline_model_parallel_group()
+            for t in (logp, topk_ids, topk_lp):
+                if t is not None:
+                    dist.broadcast(t, src=src, group=group)
+
+        out = []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            P, T = len(p), len(r)
+            sl = slice(P - 1, P - 1 + T)
+            sc = TeacherScore(logprobs=logp[i, sl].cpu())
+            if K:
+                sc.topk_ids, sc.topk_logprobs = topk_ids[i, sl].cpu(), topk_lp[i, sl].cpu()
+            out.append(sc)
+        return validate_scores(out, responses, top_k, source="MegatronTeacher")
+
+
+__all__ = ["MegatronTeacher", "load_hf_state_dict", "vocab_parallel_topk"]
