@@ -6,6 +6,7 @@ each rank is collected through a queue so tests can compare ranks against a sing
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -28,7 +29,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         import torch
 
         torch.set_num_threads(1)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Serialised to bytes: a tensor shared through torch's IPC can vanish when this rank exits
+        # before the parent reads it (FileNotFoundError).
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - ship the traceback to the parent
         queue.put((rank, "error", traceback.format_exc()))
         raise
@@ -48,6 +53,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             rank, status, payload = queue.get(timeout=timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
+            else:
+                import torch
+
+                payload = torch.load(io.BytesIO(payload), weights_only=False)  # our own test results
             results[rank] = payload
     finally:
         for p in procs:
