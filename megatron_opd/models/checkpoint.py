@@ -1,0 +1,179 @@
+"""megatron-core distributed (torch_dist) model checkpoints: save, load, and the metadata we add.
+
+A torch_dist checkpoint stores every tensor with its *global* shape and each rank's slice, so it
+is independent of the TP/PP layout that wrote it: any layout can load it (resharding for free).
+It is also independent of the layer spec: the local spec maps its layer-norm names onto the TE
+names (`sharded_state_dict_keys_map`), so CPU-written checkpoints load into TE models on GPU.
+
+Next to megatron's own files we write `megatron_opd.json` (format version, the HF config the model
+was built from, writer TP/PP and dtype) and optionally `hf_assets/` (tokenizer files), so that a
+checkpoint can be turned back into an HF directory without the original HF folder.
+
+Saving is collective (every rank of the model calls it) and atomic: everything is written into
+a sibling `.<name>.partial` directory that rank 0 renames into place after a barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+META_FILE = "megatron_opd.json"
+HF_ASSETS_DIR = "hf_assets"
+FORMAT_VERSION = 1
+# Files copied from an HF directory next to the weights (tokenizer and generation settings).
+HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                  "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                  "chat_template.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that is missing, incomplete or inconsistent; names the path."""
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d:
+        d.barrier()
+
+
+def partial_dir(out_dir: str | os.PathLike) -> Path:
+    """The sibling temp directory an atomic write goes through (deterministic: all ranks agree)."""
+    out = Path(out_dir).resolve()
+    return out.parent / f".{out.name}.partial"
+
+
+def prepare_partial(out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Rank 0 checks `out_dir` and (re)creates the empty partial dir; everyone then waits for it."""
+    out, tmp = Path(out_dir).resolve(), partial_dir(out_dir)
+    if _rank() == 0:
+        if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+            raise CheckpointError(f"{out}: already exists and is not empty (pass overwrite / --overwrite)")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    return tmp
+
+
+def commit_partial(out_dir: str | os.PathLike) -> Path:
+    """Rank 0 renames the partial dir onto `out_dir` (replacing an old one); everyone waits."""
+    out, tmp = Path(out_dir).resolve(), partial_dir(out_dir)
+    _barrier()
+    if _rank() == 0:
+        old = out.parent / f".{out.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old.exists():
+            shutil.rmtree(old)
+    _barrier()
+    return out
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    return hf_config.to_dict()
+
+
+def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *, hf_config: Any = None,
+                          hf_assets_from: Optional[str | os.PathLike] = None, overwrite: bool = False,
+                          extra_meta: Optional[dict[str, Any]] = None) -> Path:
+    """Collectively save this rank's GPTModel shard as one torch_dist checkpoint at `ckpt_dir`.
+
+    Every rank of the model-parallel world calls this with the same arguments. `hf_config` (the
+    config the model was built from) is stored in the metadata; tokenizer files found in
+    `hf_assets_from` are copied to `hf_assets/`.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+
+    tmp = prepare_partial(ckpt_dir, overwrite=overwrite)
+    gpt = model
+    while hasattr(gpt, "module") and isinstance(gpt.module, torch.nn.Module):
+        gpt = gpt.module
+    dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp))
+    if _rank() == 0:
+        dtype = next(iter(gpt.parameters())).dtype
+        meta = {"format": "torch_dist", "format_version": FORMAT_VERSION,
+                "writer_tp": parallel_state.get_tensor_model_parallel_world_size(),
+                "writer_pp": parallel_state.get_pipeline_model_parallel_world_size(),
+                "params_dtype": str(dtype).replace("torch.", ""),
+                "vocab_size_padded": int(getattr(gpt, "vocab_size", 0)) or None,
+                "hf_config": hf_config_dict(hf_config) if hf_config is not None else None, **(extra_meta or {})}
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        if hf_assets_from is not None:
+            copy_hf_assets(hf_assets_from, tmp / HF_ASSETS_DIR)
+    return commit_partial(ckpt_dir)
+
+
+def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer/generation files present in `src` to `dst`; returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    names = [n for n in HF_ASSET_FILES if (src / n).is_file()]
+    if names:
+        dst.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        shutil.copy2(src / n, dst / n)
+    return names
+
+
+def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
+    """Our metadata of a torch_dist checkpoint ({} for a foreign checkpoint without it)."""
+    ckpt = Path(ckpt_dir)
+    if not (ckpt / "metadata.json").is_file() and not (ckpt / ".metadata").is_file():
+        raise CheckpointError(f"{ckpt}: not a megatron-core distributed checkpoint (no metadata.json / .metadata)")
+    meta_path = ckpt / META_FILE
+    if not meta_path.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if meta.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format_version {meta['format_version']} is newer than this code "
+                              f"understands ({FORMAT_VERSION})")
+    return meta
+
+
+def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -> None:
+    """Collectively load a torch_dist checkpoint (written with any TP/PP) into this rank's shard.
+
+    Every tensor the model asks for must be in the checkpoint (megatron's RAISE_UNEXPECTED names
+    the key); extra checkpoint content (e.g. optimizer state) is ignored. The loaded tensors are
+    copied in with names and shapes checked.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_opd.models.weight_mapping import load_megatron_state_dict
+
+    read_checkpoint_meta(ckpt_dir)
+    gpt = model
+    while hasattr(gpt, "module") and isinstance(gpt.module, torch.nn.Module):
+        gpt = gpt.module
+    loaded = dist_checkpointing.load(gpt.sharded_state_dict(), str(ckpt_dir), strict=StrictHandling.RAISE_UNEXPECTED)
+    load_megatron_state_dict(gpt, loaded)
+
+
+__all__ = ["CheckpointError", "HF_ASSETS_DIR", "META_FILE", "commit_partial", "copy_hf_assets", "hf_config_dict",
+           "load_model_checkpoint", "partial_dir", "prepare_partial", "read_checkpoint_meta",
+           "save_model_checkpoint"]
