@@ -36,7 +36,7 @@ import torch
 
 __all__ = [
     "WeightMappingError", "ModelDims", "padded_vocab_size", "hf_param_shapes", "megatron_param_shapes",
-    "hf_to_megatron_state_dict", "megatron_to_hf_state_dict", "iter_hf_weights", "bucket_hf_weights",
+    "hf_to_megatron_state_dict", "megatron_to_hf_state_dict", "iter_hf_weights", "bucket_hf_weights", "load_hf_state_dict",
     "canonical_hf_state_dict", "check_hf_state_dict", "load_megatron_state_dict",
 ]
 
@@ -551,6 +551,21 @@ def _hf_layer_order(hn: dict[str, str], d: ModelDims) -> list[str]:
 
 def _device_of(sd: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(sd.values())).device
+
+
+def load_hf_state_dict(hf_dir: Any) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
 
 
 def bucket_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

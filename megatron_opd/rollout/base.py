@@ -137,19 +137,9 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group named tensors into buckets of at most `bucket_bytes` (a single larger tensor gets its own
     bucket), so a weight sync never materialises more than one bucket at a time."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes: must be > 0, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
+    from megatron_opd.models.weight_mapping import bucket_hf_weights
+
+    return bucket_hf_weights(named_tensors, bucket_bytes)
 
 
 def push_weights(engine: "RolloutEngine", named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,

@@ -13,21 +13,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
-
-
-def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the *.safetensors files in an HF directory."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
 
 
 def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group: Any
@@ -168,4 +156,4 @@ class MegatronTeacher:
         return validate_scores(out, responses, top_k, source="MegatronTeacher")
 
 
-__all__ = ["MegatronTeacher", "load_hf_state_dict", "vocab_parallel_topk"]
+__all__ = ["MegatronTeacher", "vocab_parallel_topk"]

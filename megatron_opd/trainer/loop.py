@@ -27,7 +27,8 @@ from megatron_opd.config import Config, dump_config
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch
 from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
-from megatron_opd.trainer.policy import MegatronPolicy, load_hf_state_dict
+from megatron_opd.models.weight_mapping import load_hf_state_dict
+from megatron_opd.trainer.policy import MegatronPolicy
 
 logger = logging.getLogger("megatron_opd.trainer")
 

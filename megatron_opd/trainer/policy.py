@@ -8,7 +8,6 @@ serves PP=1 and PP>1; per-token quantities are produced on the last pipeline sta
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,19 +17,6 @@ from megatron_opd.trainer.batch import TrainBatch, gather_response
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-
-
-def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
-    from safetensors.torch import load_file
-
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
 
 
 def resolve_dtype(name: str) -> torch.dtype:
