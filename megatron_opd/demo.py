@@ -61,7 +61,7 @@ def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Pat
         f"data.train_path={data['train']}", f"data.eval_paths=[arith={data['eval']}]",
         f"train.steps={steps}", "train.prompts_per_step=4", "train.micro_batch_size=4",
         f"train.eval_every={steps}", "rollout.n_samples_per_prompt=2",
-        f"rollout.max_new_tokens={32 if tiny else 96}", "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={32 if tiny else 64}", "rollout.temperature=1.0",
         "optim.lr=1e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1",
         f"logging.out_dir={out}", "logging.sample_every=1", f"checkpoint.save_every={steps}", "checkpoint.keep_last=1",
         "checkpoint.resume=never",
