@@ -99,3 +99,37 @@ def test_resume_reproduces_the_uninterrupted_run(setup, tmp_path):
     for k, v in sa["policy"]["model"].items():
         torch.testing.assert_close(sb["policy"]["model"][k], v, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in (part / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
+
+
+def test_nonfinite_loss_or_grad_skips_the_update_and_is_counted(setup, tmp_path):
+    from megatron_opd.models.optimizer import unwrap
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(setup, tmp_path / "nan", "opd", 1, "teacher.backend=hf"))
+    try:
+        policy = trainer.student
+        batch = build_batch([SequenceItem([5, 6, 7], [8, 9, 2]), SequenceItem([5, 6], [7, 2])], trainer.pad_id)
+        before = {k: v.clone() for k, v in unwrap(policy.model).state_dict().items() if isinstance(v, torch.Tensor)}
+
+        def nan_loss(logp, _logits, b, _full):
+            return (logp * float("nan")).sum(), {}
+
+        def inf_grad(logp, _logits, b, _full):  # finite (zero) loss, infinite gradient
+            return torch.sqrt((logp - logp.detach())[b.response_mask]).sum(), {}
+
+        def finite(logp, _logits, b, _full):
+            return -logp[b.response_mask].mean(), {}
+
+        s1 = policy.train_minibatch(batch, nan_loss, False)
+        s2 = policy.train_minibatch(batch, inf_grad, False)
+        assert s1["update_skipped"] == 1.0 and s1["nonfinite_loss"] == 1.0
+        assert s2["update_skipped"] == 1.0 and s2["nonfinite_grad"] == 1.0
+        after = unwrap(policy.model).state_dict()
+        for k, v in before.items():
+            assert torch.equal(after[k], v), f"{k} changed by a skipped step"
+        s3 = policy.train_minibatch(batch, finite, False)
+        assert s3["update_skipped"] == 0.0
+        assert any(not torch.equal(unwrap(policy.model).state_dict()[k], v) for k, v in before.items())
+    finally:
+        trainer.close()

@@ -27,15 +27,19 @@ class TrainingSetup:
 
 
 def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = True,
-             grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False) -> Any:
-    """Wrap a GPTModel in megatron's DDP (contiguous fp32 grad buffers, ``param.main_grad``)."""
+             grad_reduce_in_fp32: bool = True, overlap_grad_reduce: bool = False,
+             check_for_nan_in_grad: bool = True) -> Any:
+    """Wrap a GPTModel in megatron's DDP (contiguous fp32 grad buffers, ``param.main_grad``).
+
+    ``check_for_nan_in_grad`` makes megatron raise on a NaN gradient; the trainer turns it off and
+    skips (and counts) such steps itself with ``grads_finite``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
-        check_for_nan_in_grad=True,
+        check_for_nan_in_grad=check_for_nan_in_grad,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
@@ -84,14 +88,16 @@ def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any
     )
 
 
-def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int) -> TrainingSetup:
+def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int,
+                   check_for_nan_in_grad: bool = True) -> TrainingSetup:
     """DDP-wrap ``model``, build the megatron optimizer and scheduler, and hook megatron's grad
     finalisation (DP all-reduce / reduce-scatter, tied-embedding grads across PP stages) into the
     model config so ``get_forward_backward_func`` schedules run it."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    ddp = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer)
+    ddp = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer,
+                   check_for_nan_in_grad=check_for_nan_in_grad)
     cfg = model.config
     opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [ddp])
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -120,11 +126,23 @@ def optimizer_step(setup: TrainingSetup) -> dict[str, float]:
             "update_skipped": float(not ok)}
 
 
+def grads_finite(setup: TrainingSetup) -> bool:
+    """True on every rank iff every rank's (finalised) gradients are finite."""
+    import torch.distributed as dist
+
+    ok = all(bool(torch.isfinite(g).all()) for p in setup.model.parameters()
+             if (g := getattr(p, "main_grad", None)) is not None)
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
 def unwrap(model: Any) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
     return model
 
 
-__all__ = ["TrainingSetup", "build_scheduler", "optimizer_config", "optimizer_step", "setup_training",
+__all__ = ["TrainingSetup", "build_scheduler", "grads_finite", "optimizer_config", "optimizer_step", "setup_training",
            "unwrap", "wrap_ddp", "zero_grads"]

@@ -416,7 +416,7 @@ class Trainer:
         if self.rank == 0 and cfg.logging.progress_bar:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.train.steps, initial=self.step, desc="stable-opd", dynamic_ncols=True)
+            bar = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.algo.preset, dynamic_ncols=True)
         last: dict[str, float] = {}
         try:
             while self.step < end:

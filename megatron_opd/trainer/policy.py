@@ -49,7 +49,7 @@ class MegatronPolicy:
         sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
                                        te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
         load_megatron_state_dict(model, sd)
-        self.setup = setup_training(model, cfg.optim, total_steps) if trainable else None
+        self.setup = setup_training(model, cfg.optim, total_steps, check_for_nan_in_grad=False) if trainable else None
         self.model = self.setup.model if trainable else model
         self.tp_group = default_tp_group()
         self.reduce = vocab_parallel_reduce(self.tp_group)
@@ -118,10 +118,11 @@ class MegatronPolicy:
         return torch.cat(logps, 0), (torch.cat(logits_out, 0) if want_logits else None)
 
     def train_minibatch(self, batch: TrainBatch, loss_fn: LossFn, want_logits: bool) -> dict[str, float]:
-        """One optimizer step on `batch` (one micro-batch through the schedule). A non-finite loss
-        skips the update: gradients are zeroed and `update_skipped`/`nonfinite_loss` report it."""
+        """One optimizer step on `batch` (one micro-batch through the schedule). A non-finite loss or
+        gradient skips the update (weights and optimizer state untouched); `update_skipped` and
+        `nonfinite_loss` / `nonfinite_grad` report it."""
         from megatron_opd.models.logprobs import forward_backward
-        from megatron_opd.models.optimizer import optimizer_step, zero_grads
+        from megatron_opd.models.optimizer import grads_finite, optimizer_step, zero_grads
 
         assert self.setup is not None, "train_minibatch on a frozen policy"
         self.model.train()
@@ -130,6 +131,9 @@ class MegatronPolicy:
 
         def _loss(logits: torch.Tensor, _mb: dict):
             logp = self._token_logp(logits, batch)
+            if not bool(torch.isfinite(logp[batch.response_mask]).all()):
+                stats.update(nonfinite_loss=1.0)
+                return 0.0 * logits.sum(), {}
             resp_logits = self.response_logits(logits, batch) if want_logits else None
             loss, terms = loss_fn(logp, resp_logits, batch, logits)
             if not torch.isfinite(loss):
@@ -143,6 +147,10 @@ class MegatronPolicy:
         if nonfinite:
             zero_grads(self.setup)
             stats.update(update_skipped=1.0, nonfinite_loss=1.0, grad_norm=float("nan"))
+            return stats
+        if not grads_finite(self.setup):
+            zero_grads(self.setup)
+            stats.update(update_skipped=1.0, nonfinite_grad=1.0, grad_norm=float("nan"))
             return stats
         step = optimizer_step(self.setup)
         if not math.isfinite(step["grad_norm"]):
