@@ -200,12 +200,15 @@ class Trainer:
             i = with_gold[j % len(with_gold)]
             sol = records[i].solution_ids[: cfg.rollout.max_new_tokens]
             items.append(SequenceItem(records[i].prompt_ids, sol, is_golden=True, prompt_index=i))
+        excess = len(items) % self.dp_size
+        golden_idx = [i for i, it in enumerate(items) if it.is_golden]
+        if excess > len(golden_idx):
+            raise RuntimeError(f"step {self.step}: {len(items)} sequences cannot be split evenly over "
+                               f"{self.dp_size} data-parallel ranks; make train.prompts_per_step * "
+                               "rollout.n_samples_per_prompt a multiple of the data-parallel size")
+        drop = set(golden_idx[len(golden_idx) - excess:]) if excess else set()
+        items = [it for i, it in enumerate(items) if i not in drop]
         items.sort(key=lambda it: (it.prompt_index, it.is_golden))
-        usable = len(items) - len(items) % self.dp_size
-        if usable == 0:
-            raise RuntimeError(f"step {self.step}: {len(items)} sequences cannot be split over {self.dp_size} "
-                               "data-parallel ranks; raise train.prompts_per_step")
-        items = items[:usable]
         teacher = None
         if self.teacher is not None:
             roll = [i for i, it in enumerate(items) if not it.is_golden]
