@@ -278,3 +278,37 @@ def test_advantage_options_flow_through():
     _, stats = stable_opd_loss(cfg, **d)
     assert stats["adv_mean"] == pytest.approx(0.0, abs=1e-6)
     assert stats["adv_std"] == pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_sum_const"])
+def test_global_counts_make_split_batches_sum_to_the_whole(mode):
+    """Data parallelism: halves of a batch, each normalised by whole-batch counts, add up to the
+    whole-batch loss and gradient (what the trainer all-reduces)."""
+    from megatron_opd.algo.objective import term_masks
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 7
+    lengths = torch.tensor([7, 2, 5, 1, 6, 3])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    gold = torch.tensor([False, False, True, False, True, False])
+    trunc = torch.tensor([True, False, False, False, False, True])
+    logp = (-torch.rand(B, T, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.05 * torch.randn(B, T, generator=g)
+    teacher = -torch.rand(B, T, generator=g) * 3
+    ref = logp.detach() - 0.1 * torch.rand(B, T, generator=g)
+    cfg = AlgoConfig(preset="custom", loss_agg_mode=mode, beta_kl=0.1, kl_estimator="k3", lambda_gold=0.5,
+                     mask_truncated=True, loss_agg_constant=7.0)
+    kw = dict(old_logp=old, teacher_logp=teacher, ref_logp=ref)
+    full, _ = stable_opd_loss(cfg, logp=logp, response_mask=mask, is_golden=gold, truncated=trunc, **kw)
+    (g_full,) = torch.autograd.grad(full, logp)
+    masks = term_masks(cfg, mask, gold, trunc)
+    counts = {k: (float(m.sum()), float((m.sum(-1) > 0).sum())) for k, m in masks.items()}
+    total = 0.0
+    for rows in ([0, 1, 2], [3, 4, 5]):
+        part, _ = stable_opd_loss(cfg, logp=logp[rows], response_mask=mask[rows], is_golden=gold[rows],
+                                  truncated=trunc[rows], global_counts=counts,
+                                  **{k: v[rows] for k, v in kw.items()})
+        total = total + part
+    (g_split,) = torch.autograd.grad(total, logp)
+    torch.testing.assert_close(total, full, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g_split, g_full, rtol=1e-6, atol=1e-8)

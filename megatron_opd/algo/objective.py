@@ -12,7 +12,7 @@ Formulas: docs/algorithm.md.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -78,6 +78,17 @@ def _golden_per_token(
     return forward_kl_topk(zero_padding(teacher_topk_logp, m), zero_padding(student_topk_logp, m))
 
 
+def term_masks(cfg: AlgoConfig, response_mask: torch.Tensor, is_golden: torch.Tensor, truncated: torch.Tensor,
+               eos_pos: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """The token sets of the three terms (keys of `stable_opd_loss`'s `global_counts`)."""
+    mask = as_bool_mask("response_mask", response_mask)
+    gold = as_bool_mask("is_golden", is_golden)
+    trunc = as_bool_mask("truncated", truncated)
+    return {"pg": rollout_token_mask(mask, gold, trunc, mask_truncated=cfg.mask_truncated, eos_pos=eos_pos),
+            "rollout": rollout_token_mask(mask, gold, trunc, mask_truncated=False, eos_pos=eos_pos),
+            "golden": mask & gold[:, None]}
+
+
 def stable_opd_loss(
     cfg: AlgoConfig,
     *,
@@ -94,6 +105,7 @@ def stable_opd_loss(
     student_topk_logp: Optional[torch.Tensor] = None,
     eos_pos: Optional[torch.Tensor] = None,
     reduce: Optional[Reduce] = None,
+    global_counts: Optional[Mapping[str, tuple[float, float]]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return (total loss scalar with grad, float terms for logging).
 
@@ -103,6 +115,9 @@ def stable_opd_loss(
     row-major order (only for kl_estimator='full'); `reduce` combines vocab shards. The KL term is
     computed for logging (without grad) when beta_kl == 0 but its inputs are given; the "kl" key is
     absent when it was not computed at all.
+    `global_counts` {"pg" | "rollout" | "golden": (num_tokens, num_seqs)} replaces a term's local
+    counts in its normaliser: when a batch is split over data-parallel ranks, each rank's loss is then
+    its exact share of the whole-batch loss (see `term_masks`).
     """
     if not isinstance(cfg, AlgoConfig):
         raise ValueError(f"cfg: expected an AlgoConfig, got {type(cfg).__name__}")
@@ -126,10 +141,17 @@ def stable_opd_loss(
         gamma=cfg.adv_gamma, mask_truncated=cfg.mask_truncated, eos_pos=eos_pos,
     )
     agg = dict(mode=cfg.loss_agg_mode, constant=cfg.loss_agg_constant)
+    counts = dict(global_counts or {})
+
+    def term(name: str) -> dict:
+        if name not in counts:
+            return agg
+        num_tokens, num_seqs = counts[name]
+        return {**agg, "num_tokens": num_tokens, "num_seqs": num_seqs}
 
     pg = ppo_policy_loss(zero_padding(logp, pg_mask), zero_padding(old_logp, pg_mask), adv, pg_mask,
                          clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high, dual_clip_c=cfg.dual_clip_c)
-    pg_loss = aggregate_loss(pg.loss, pg_mask, **agg)
+    pg_loss = aggregate_loss(pg.loss, pg_mask, **term("pg"))
     # Anchor the graph to logp so an all-empty batch still yields a 0 loss with a (zero) gradient path.
     total = pg_loss + 0.0 * zero_padding(acc(logp), mask).sum()
 
@@ -138,14 +160,14 @@ def stable_opd_loss(
     if cfg.beta_kl > 0 or have_kl_inputs:
         with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.beta_kl > 0):
             kl_tok = _kl_per_token(cfg, logp, mask, rollout_mask, ref_logp, student_logits, ref_logits, reduce)
-            kl_value = aggregate_loss(kl_tok, rollout_mask, **agg)
+            kl_value = aggregate_loss(kl_tok, rollout_mask, **term("rollout"))
         if cfg.beta_kl > 0:
             total = total + cfg.beta_kl * kl_value
 
     golden_value: Optional[torch.Tensor] = None
     if cfg.lambda_gold > 0 and bool(gold_mask.any()):
         golden_value = aggregate_loss(_golden_per_token(cfg, logp, gold_mask, teacher_topk_logp, student_topk_logp),
-                                      gold_mask, **agg)
+                                      gold_mask, **term("golden"))
         total = total + cfg.lambda_gold * golden_value
 
     raw_adv = zero_padding(acc(teacher_logp.detach()) - acc(old_logp.detach()), pg_mask)
@@ -171,4 +193,4 @@ def stable_opd_loss(
     return total, stats
 
 
-__all__ = ["stable_opd_loss"]
+__all__ = ["stable_opd_loss", "term_masks"]

@@ -241,23 +241,45 @@ class Trainer:
                         ids[b, : t_ids.shape[0]], lps[b, : t_lp.shape[0]] = t_ids, t_lp
                 batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
+    def _global_counts(self, mb: TrainBatch, algo: Any) -> dict[str, tuple[float, float]]:
+        """Token and sequence counts of each loss term summed over data-parallel ranks, so every rank
+        normalises by the whole minibatch (DDP then averages the shares; the loss is scaled by dp)."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_opd.algo.objective import term_masks
+
+        masks = term_masks(algo, mb.response_mask, mb.is_golden, mb.truncated)
+        names = sorted(masks)
+        local = torch.tensor([[float(masks[k].sum()), float((masks[k].sum(-1) > 0).sum())] for k in names],
+                             dtype=torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
+        return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
+
     def _loss_fn(self, mb: TrainBatch):
         from megatron_opd.algo.objective import stable_opd_loss
 
-        algo = replace(self.cfg.algo, beta_kl=self.beta_kl)
+        algo = replace(self.cfg.algo, beta_kl=self.beta_kl,
+                       loss_agg_constant=self.cfg.algo.loss_agg_constant or float(self.cfg.rollout.max_new_tokens))
         full_kl = self.beta_kl > 0 and algo.kl_estimator == "full"
+        counts = self._global_counts(mb, algo)
+        dp = self.dp_size
 
         def loss_fn(logp, resp_logits, batch, logits):
             student_topk = None
             if "teacher_topk_ids" in batch.extras:
                 student_topk = self.student.topk_logp(logits, batch, batch.extras["teacher_topk_ids"])
-            return stable_opd_loss(
+            loss, stats = stable_opd_loss(
                 algo, logp=logp, old_logp=batch.extras["old_logp"], teacher_logp=batch.extras["teacher_logp"],
                 response_mask=batch.response_mask, is_golden=batch.is_golden, truncated=batch.truncated,
                 ref_logp=batch.extras.get("ref_logp"), student_logits=resp_logits if full_kl else None,
                 ref_logits=mb.extras.get("ref_logits") if full_kl else None,
                 teacher_topk_logp=batch.extras.get("teacher_topk_logp"), student_topk_logp=student_topk,
-                reduce=self.student.reduce)
+                reduce=self.student.reduce, global_counts=counts)
+            for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares -> whole-batch values
+                if k in stats:
+                    stats[k] *= dp
+            return loss * dp, stats
 
         return loss_fn, full_kl
 
