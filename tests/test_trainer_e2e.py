@@ -121,15 +121,30 @@ def test_nonfinite_loss_or_grad_skips_the_update_and_is_counted(setup, tmp_path)
         def finite(logp, _logits, b, _full):
             return -logp[b.response_mask].mean(), {}
 
-        s1 = policy.train_minibatch(batch, nan_loss, False)
-        s2 = policy.train_minibatch(batch, inf_grad, False)
+        s1 = policy.train_minibatch([batch], nan_loss, False)
+        s2 = policy.train_minibatch([batch], inf_grad, False)
         assert s1["update_skipped"] == 1.0 and s1["nonfinite_loss"] == 1.0
         assert s2["update_skipped"] == 1.0 and s2["nonfinite_grad"] == 1.0
         after = unwrap(policy.model).state_dict()
         for k, v in before.items():
             assert torch.equal(after[k], v), f"{k} changed by a skipped step"
-        s3 = policy.train_minibatch(batch, finite, False)
+        s3 = policy.train_minibatch([batch], finite, False)
         assert s3["update_skipped"] == 0.0
         assert any(not torch.equal(unwrap(policy.model).state_dict()[k], v) for k, v in before.items())
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_accumulate_to_the_whole_minibatch(setup, tmp_path, mode):
+    """train.micro_batch_size only changes memory: losses, gradient norm and weights match one micro-batch."""
+    runs = {}
+    for mbs in (1, 8):
+        out = tmp_path / f"mbs{mbs}"
+        _train(_cfg(setup, out, "stable_opd", 2, "teacher.backend=megatron", f"train.micro_batch_size={mbs}",
+                    f"algo.loss_agg_mode={mode}", "checkpoint.save_every=2"))
+        runs[mbs] = read_metrics(out)
+    for r1, r8 in zip(runs[1], runs[8]):
+        for key in ("loss/total_loss", "loss/pg_loss", "loss/kl", "loss/golden_loss", "loss/grad_norm",
+                    "rollout/response_len_mean"):
+            assert r1[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (r1["step"], key)

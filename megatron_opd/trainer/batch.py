@@ -34,7 +34,8 @@ class TrainBatch:
     is_golden: torch.Tensor  # [B] bool
     truncated: torch.Tensor  # [B] bool
     behaviour_logp: Optional[torch.Tensor] = None  # [B, T] from the rollout engine (rollout rows only)
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # teacher_logp, ref_logp, old_logp ...
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, T, ...]: teacher_logp, ref_logp, old_logp ...
+    ref_logits: Optional[torch.Tensor] = None  # [N, V/tp] reference logits of the N valid tokens (full KL)
 
     @property
     def batch_size(self) -> int:
@@ -94,6 +95,29 @@ def build_batch(items: list[SequenceItem], pad_id: int, pad_to_multiple: int = 1
         response_mask=response_mask, is_golden=torch.tensor([it.is_golden for it in items]),
         truncated=torch.tensor([it.truncated for it in items]),
         behaviour_logp=behaviour if have_behaviour else None)
+
+
+def pad_batch(batch: TrainBatch, rows: int, length: int) -> TrainBatch:
+    """Pad to `rows` sequences of `length` tokens with fully masked rows: megatron's schedule needs
+    every micro-batch to have the same shape (and, with pipeline parallelism, the same length)."""
+    B, L = batch.tokens.shape
+    if rows < B or length < L:
+        raise ValueError(f"pad_batch: cannot shrink [{B}, {L}] to [{rows}, {length}]")
+    add = rows - B
+
+    def grow(x: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
+        if add == 0:
+            return x
+        return torch.cat([x, torch.full((add, *x.shape[1:]), fill, dtype=x.dtype)], 0)
+
+    tokens = torch.nn.functional.pad(grow(batch.tokens), (0, length - L))
+    return TrainBatch(
+        tokens=tokens, position_ids=torch.arange(length).unsqueeze(0).expand(rows, length).contiguous(),
+        response_index=grow(batch.response_index), response_ids=grow(batch.response_ids),
+        response_mask=grow(batch.response_mask, False), is_golden=grow(batch.is_golden, False),
+        truncated=grow(batch.truncated, False),
+        behaviour_logp=None if batch.behaviour_logp is None else grow(batch.behaviour_logp),
+        extras={k: grow(v) for k, v in batch.extras.items()}, ref_logits=batch.ref_logits)
 
 
 def gather_response(per_position: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

@@ -256,14 +256,35 @@ class Trainer:
             dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
         return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
 
-    def _loss_fn(self, mb: TrainBatch):
+    def _micro_batches(self, batch: TrainBatch, rows: list[int], ref_rows: Optional[tuple[torch.Tensor, ...]]
+                       ) -> list[TrainBatch]:
+        """Split a minibatch's rows into train.micro_batch_size micro-batches of one shape (the last
+        padded with masked rows), each carrying its rows' reference logits."""
+        from megatron_opd.trainer.batch import pad_batch
+
+        size = min(self.cfg.train.micro_batch_size, len(rows))
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        parts = [batch.select(c) for c in chunks]
+        length = max(p.tokens.shape[1] for p in parts)
+        out = []
+        for c, part in zip(chunks, parts):
+            part = pad_batch(part, size, length)
+            if ref_rows is not None:
+                part.ref_logits = torch.cat([ref_rows[r] for r in c], 0)
+            out.append(part)
+        return out
+
+    def _loss_fn(self, mb: TrainBatch, n_micro: int = 1):
+        """The loss closure for one minibatch `mb` (all its micro-batches). Every term is normalised by
+        whole-minibatch counts, so micro-batch and data-parallel shares add up to the minibatch loss;
+        megatron averages over micro-batches and DDP over ranks, hence the `dp * n_micro` scale."""
         from megatron_opd.algo.objective import stable_opd_loss
 
         algo = replace(self.cfg.algo, beta_kl=self.beta_kl,
                        loss_agg_constant=self.cfg.algo.loss_agg_constant or float(self.cfg.rollout.max_new_tokens))
         full_kl = self.beta_kl > 0 and algo.kl_estimator == "full"
         counts = self._global_counts(mb, algo)
-        dp = self.dp_size
+        scale = self.dp_size * n_micro
 
         def loss_fn(logp, resp_logits, batch, logits):
             student_topk = None
@@ -273,13 +294,13 @@ class Trainer:
                 algo, logp=logp, old_logp=batch.extras["old_logp"], teacher_logp=batch.extras["teacher_logp"],
                 response_mask=batch.response_mask, is_golden=batch.is_golden, truncated=batch.truncated,
                 ref_logp=batch.extras.get("ref_logp"), student_logits=resp_logits if full_kl else None,
-                ref_logits=mb.extras.get("ref_logits") if full_kl else None,
+                ref_logits=batch.ref_logits if full_kl else None,
                 teacher_topk_logp=batch.extras.get("teacher_topk_logp"), student_topk_logp=student_topk,
                 reduce=self.student.reduce, global_counts=counts)
-            for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares -> whole-batch values
+            for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares -> whole-minibatch values
                 if k in stats:
-                    stats[k] *= dp
-            return loss * dp, stats
+                    stats[k] *= scale
+            return loss * scale, stats
 
         return loss_fn, full_kl
 
@@ -314,13 +335,13 @@ class Trainer:
         train_stats: list[dict[str, float]] = []
         n_mb = min(cfg.algo.num_minibatches, batch.batch_size)
         bounds = [round(i * batch.batch_size / n_mb) for i in range(n_mb + 1)]
+        ref_rows = None if ref_logits is None else torch.split(ref_logits, batch.response_mask.sum(1).tolist())
         for _epoch in range(cfg.algo.ppo_epochs):
             for a, b in zip(bounds[:-1], bounds[1:]):
-                mb = batch.select(list(range(a, b)))
-                if ref_logits is not None:
-                    mb.extras["ref_logits"] = _rows_of_logits(ref_logits, batch.response_mask, a, b)
-                loss_fn, want_logits = self._loss_fn(mb)
-                train_stats.append(self.student.train_minibatch(mb, loss_fn, want_logits))
+                rows = list(range(a, b))
+                micro = self._micro_batches(batch, rows, ref_rows)
+                loss_fn, want_logits = self._loss_fn(batch.select(rows), len(micro))
+                train_stats.append(self.student.train_minibatch(micro, loss_fn, want_logits))
         t_train = time.time() - t1
 
         t2 = time.time()
@@ -506,9 +527,3 @@ class Trainer:
         self._sync_weights()
         if self.rank == 0:
             logger.info("resumed from %s at step %d", self.ckpt.root, step)
-
-
-def _rows_of_logits(logits: torch.Tensor, mask: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    counts = mask.sum(1)
-    start = int(counts[:a].sum())
-    return logits[start:start + int(counts[a:b].sum())]

@@ -117,34 +117,37 @@ class MegatronPolicy:
             return None, None
         return torch.cat(logps, 0), (torch.cat(logits_out, 0) if want_logits else None)
 
-    def train_minibatch(self, batch: TrainBatch, loss_fn: LossFn, want_logits: bool) -> dict[str, float]:
-        """One optimizer step on `batch` (one micro-batch through the schedule). A non-finite loss or
+    def train_minibatch(self, micro_batches: list[TrainBatch], loss_fn: LossFn, want_logits: bool) -> dict[str, float]:
+        """One optimizer step over `micro_batches` (same shape each; gradients accumulate through
+        megatron's schedule, which averages the micro-batch losses). A non-finite log-prob, loss or
         gradient skips the update (weights and optimizer state untouched); `update_skipped` and
-        `nonfinite_loss` / `nonfinite_grad` report it."""
+        `nonfinite_loss` / `nonfinite_grad` report it. Returns per-micro-batch stats averaged."""
         from megatron_opd.models.logprobs import forward_backward
         from megatron_opd.models.optimizer import grads_finite, optimizer_step, zero_grads
 
         assert self.setup is not None, "train_minibatch on a frozen policy"
         self.model.train()
         zero_grads(self.setup)
-        stats: dict[str, float] = {}
+        per_micro: list[dict[str, float]] = []
 
-        def _loss(logits: torch.Tensor, _mb: dict):
+        def _loss(logits: torch.Tensor, mbd: dict):
+            batch: TrainBatch = mbd["batch"]
             logp = self._token_logp(logits, batch)
             if not bool(torch.isfinite(logp[batch.response_mask]).all()):
-                stats.update(nonfinite_loss=1.0)
+                per_micro.append({"nonfinite_loss": 1.0})
                 return 0.0 * logits.sum(), {}
             resp_logits = self.response_logits(logits, batch) if want_logits else None
             loss, terms = loss_fn(logp, resp_logits, batch, logits)
             if not torch.isfinite(loss):
                 terms = {**terms, "nonfinite_loss": 1.0}
                 loss = 0.0 * logits.sum()
-            stats.update(terms)
+            per_micro.append(terms)
             return loss, {}
 
-        forward_backward(self.model, [{"input_ids": batch.tokens, "position_ids": batch.position_ids}], _loss)
-        nonfinite = _broadcast_flag(stats.get("nonfinite_loss", 0.0))
-        if nonfinite:
+        forward_backward(self.model, [{"input_ids": b.tokens, "position_ids": b.position_ids, "batch": b}
+                                      for b in micro_batches], _loss)
+        stats = _mean_stats(per_micro)
+        if _broadcast_flag(stats.get("nonfinite_loss", 0.0)):
             zero_grads(self.setup)
             stats.update(update_skipped=1.0, nonfinite_loss=1.0, grad_norm=float("nan"))
             return stats
@@ -227,6 +230,15 @@ def _optimizers(opt: Any) -> list[Any]:
 
 def _uses_te_names(model: torch.nn.Module) -> bool:
     return any(k.endswith("layer_norm_weight") for k in model.state_dict())
+
+
+def _mean_stats(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Average of per-micro-batch stats; a flag (nonfinite_*) is kept if any micro-batch raised it."""
+    out: dict[str, float] = {}
+    for k in sorted({k for r in rows for k in r}):
+        vals = [r[k] for r in rows if k in r]
+        out[k] = max(vals) if k.startswith("nonfinite") else sum(vals) / len(vals)
+    return out
 
 
 def _pad_t(x: torch.Tensor, t: int) -> torch.Tensor:
