@@ -134,8 +134,8 @@ def stable_opd_loss(
         check_float(name, x)
     check_finite("logp", logp, mask)
 
-    rollout_mask = rollout_token_mask(mask, gold, trunc, mask_truncated=False, eos_pos=eos_pos)
-    gold_mask = mask & gold[:, None]
+    sets = term_masks(cfg, mask, gold, trunc, eos_pos)  # the same sets the trainer counts for global_counts
+    rollout_mask, gold_mask = sets["rollout"], sets["golden"]
     adv, pg_mask = compute_advantages(
         teacher_logp, old_logp, mask, gold, trunc, clip=cfg.adv_clip, normalize=cfg.adv_normalize,
         gamma=cfg.adv_gamma, mask_truncated=cfg.mask_truncated, eos_pos=eos_pos,
