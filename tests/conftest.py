@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+pytest_plugins = ["_strict_skips"]
+
 
 @pytest.fixture
 def shared_data() -> Path:

