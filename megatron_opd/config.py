@@ -16,6 +16,8 @@ from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type
 
 import yaml
 
+from megatron_opd.metrics.collapse import CollapseConfig
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending dotted key."""
@@ -54,6 +56,8 @@ class TeacherConfig:
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
     top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
     micro_batch_size: int = 8
+    api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
+    retries: int = 4  # SGLang teacher by URL: retries (exponential backoff) on connection errors / HTTP 5xx
 
 
 @dataclass
@@ -69,9 +73,15 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # top_p < 1 / top_k > 0 sample from a truncated distribution the trainer cannot reproduce (its
+    # pi_old / pi_theta are softmax(logits / temperature) over the whole vocabulary): rejected unless
+    # this is true, which then only warns.
+    allow_truncated_sampling: bool = False
     seed: int = 1234
     sync_bucket_mb: int = 512
     colocate: bool = True
+    api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
+    weight_sync_timeout: float = 600.0  # s; bound on each weight-group rendezvous / broadcast (refusal -> error)
 
 
 @dataclass
@@ -94,7 +104,7 @@ class AlgoConfig:
     num_minibatches: int = 1
     # reference KL
     beta_kl: float = 0.0
-    kl_estimator: Literal["full", "k1", "k2", "k3"] = "full"
+    kl_estimator: Literal["full", "k1", "k2", "k3", "k3+"] = "full"  # grads: docs/algorithm.md (k2, k3+: of KL(pi||ref))
     kl_chunk_size: int = 1024
     kl_clamp: float = 10.0
     # mixture distillation
@@ -157,6 +167,8 @@ class TrainConfig:
     seed: int = 42
     eval_every: int = 0
     collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"
+    # the collapse detector's thresholds and windows (megatron_opd/metrics/collapse.py documents each rule)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
 
 
 @dataclass
@@ -395,6 +407,17 @@ def validate(cfg: Config) -> None:
     need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     need(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1), ("top_k", r.top_k, r.top_k > 0))
+                 if on]
+    if truncated:
+        msg = (f"{' and '.join(truncated)} samples from a truncated distribution, but the trainer's pi_old / "
+               "pi_theta are the full softmax(logits / rollout.temperature): the PPO ratio, the advantage "
+               "and the reference KL would be computed for a policy other than the behaviour policy")
+        need(r.allow_truncated_sampling, truncated[0].split("=")[0],
+             f"{msg}. Use top_p=1.0 and top_k=-1, or set rollout.allow_truncated_sampling=true to accept the mismatch")
+        import logging
+
+        logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
     for key, size in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
@@ -427,9 +450,20 @@ def validate(cfg: Config) -> None:
     need(cfg.teacher.top_k >= 0, "teacher.top_k", "must be >= 0")
     need(cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size", "must be >= 1")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
+    try:
+        dataclasses.replace(t.collapse)  # re-runs CollapseConfig's checks on the loaded values
+    except ValueError as e:
+        raise ConfigError(str(e).replace("CollapseConfig.", "train.collapse.", 1)) from None
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
     if cfg.rollout.backend == "sglang" and r.sglang_mode == "server":
         pass  # server_url may be filled in by the launcher
+    for key, url in (("rollout.server_url", r.server_url), ("teacher.server_url", cfg.teacher.server_url)):
+        need(url is None or url.startswith(("http://", "https://")), key, f"must be an http(s):// URL, got {url!r}")
+    for key, var in (("rollout.api_key_env", r.api_key_env), ("teacher.api_key_env", cfg.teacher.api_key_env)):
+        need(var == "" or (var.replace("_", "a").isalnum() and var.isascii() and not var[0].isdigit()), key,
+             f"must name an environment variable (or be empty for no key), got {var!r}; keys are never put in configs")
+    need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout", f"must be > 0 seconds, got {r.weight_sync_timeout}")
+    need(cfg.teacher.retries >= 0, "teacher.retries", f"must be >= 0, got {cfg.teacher.retries}")
     if cfg.teacher.backend == "sglang":
         need(cfg.teacher.server_url is not None or cfg.teacher.hf_path is not None, "teacher.server_url",
              "teacher.backend=sglang needs teacher.server_url or teacher.hf_path")

@@ -169,3 +169,24 @@ def test_reset_forgets_history_and_onset():
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=f"CollapseConfig.{name}"):
         CollapseConfig(**kw)
+
+
+def test_thresholds_come_from_the_config_and_errors_name_the_key(tmp_path):
+    """`train.collapse.*` is the detector's CollapseConfig: loaded, validated with the dotted key, round-tripped."""
+    from megatron_opd.config import ConfigError, dump_config, load_config
+
+    cfg = load_config(None, ["train.collapse.window=3", "train.collapse.baseline=trailing",
+                             "train.collapse.length_ratio=2", "train.collapse.repetition_jump=null"])
+    c = cfg.train.collapse
+    assert isinstance(c, CollapseConfig) and c.window == 3 and c.baseline == "trailing"
+    assert c.length_ratio == 2.0 and c.repetition_jump is None and c.patience == CollapseConfig().patience
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml").train.collapse == c
+    for override, key in (("train.collapse.window=0", "train.collapse.window"),
+                          ("train.collapse.length_ratio=1", "train.collapse.length_ratio"),
+                          ("train.collapse.truncation_jump=-0.1", "train.collapse.truncation_jump"),
+                          ("train.collapse.baseline=median", "train.collapse.baseline"),
+                          ("train.collapse.thresh=1", "train.collapse.thresh")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        assert str(e.value).split(":", 1)[0] == key, str(e.value)

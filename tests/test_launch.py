@@ -43,7 +43,8 @@ def fake_bin(tmp_path: Path) -> Path:
 
 def _env(fake_bin: Path, nodes: list[str], **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    for k in ("CONFIG", "STUDENT", "TEACHER", "OUT", "COLOCATE", "MASTER_ADDR", "MASTER_PORT", "REPO_ROOT"):
+    for k in ("CONFIG", "STUDENT", "TEACHER", "OUT", "COLOCATE", "MASTER_ADDR", "MASTER_PORT", "REPO_ROOT",
+              "SGLANG_API_KEY", "ROLLOUT_TP"):
         env.pop(k, None)
     env.update(PATH=f"{fake_bin}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST=",".join(nodes), SLURM_NNODES=str(len(nodes)), SLURM_NODEID="0")
@@ -79,7 +80,15 @@ def _step(cmd: list[str]) -> tuple[str, set[int], list[str]]:
     i = cmd.index("env")
     assert cmd[i + 1].startswith("CUDA_VISIBLE_DEVICES=")
     gpus = {int(g) for g in cmd[i + 1].split("=", 1)[1].split(",")}
-    return node, gpus, cmd[i + 2:]
+    return node, gpus, _unwrap_key(cmd[i + 2:])
+
+
+KEY_WRAPPER = ["bash", "-c", 'exec "$@" --api-key "$SGLANG_API_KEY"', "with-api-key"]
+
+
+def _unwrap_key(argv: list[str]) -> list[str]:
+    """A server command runs under the wrapper that appends `--api-key "$SGLANG_API_KEY"` on the node."""
+    return argv[len(KEY_WRAPPER):] if argv[:len(KEY_WRAPPER)] == KEY_WRAPPER else argv
 
 
 def _split(cmds: list[list[str]]) -> tuple[list[tuple[str, set[int], list[str]]], list[tuple[str, set[int], list[str]]]]:
@@ -87,6 +96,10 @@ def _split(cmds: list[list[str]]) -> tuple[list[tuple[str, set[int], list[str]]]
     servers = [s for s in steps if s[2][1:3] == ["-m", "sglang.launch_server"]]
     trains = [s for s in steps if s[2][0] == "torchrun"]
     assert len(servers) + len(trains) == len(steps), steps
+    for c in cmds:  # every server gets the job's API key (expanded on the node, never on a printed line)
+        if "sglang.launch_server" in c:
+            i = c.index("env") + 2
+            assert c[i:i + len(KEY_WRAPPER)] == KEY_WRAPPER, c
     return servers, trains
 
 
@@ -152,7 +165,8 @@ def test_1p5b_disaggregated_layout(fake_bin):
     (rollout,) = _server(servers, "/models/Qwen2.5-Math-1.5B")
     (teacher,) = _server(servers, "/models/OpenThinker3-7B")
     assert rollout[1] == {4, 5} and teacher[1] == {6, 7}
-    assert _flag(rollout[2], "--tp-size") == "1" and _flag(rollout[2], "--dp-size") == "2"
+    # one replica (tp over both GPUs): the disaggregated weight group needs dp=1 (see one_replica)
+    assert _flag(rollout[2], "--tp-size") == "2" and _flag(rollout[2], "--dp-size") == "1"
     assert cfg.rollout.server_url == f"http://gpu-a17:{_flag(rollout[2], '--port')}"
     assert cfg.teacher.server_url == f"http://gpu-a17:{_flag(teacher[2], '--port')}"
     assert _flag(rollout[2], "--port") != _flag(teacher[2], "--port")
@@ -178,7 +192,8 @@ def test_env_vars_reach_commands(fake_bin, tmp_path):
     servers, trains, cfg = _check_layout(cmds)
     (rollout,) = _server(servers, "/m/s")
     (teacher,) = _server(servers, "/m/t")
-    assert _flag(rollout[2], "--dp-size") == "3" and rollout[2][-3:] == ["--foo", "1", "--bar"]
+    assert _flag(rollout[2], "--tp-size") == "3" and _flag(rollout[2], "--dp-size") == "1"
+    assert rollout[2][-3:] == ["--foo", "1", "--bar"]
     assert _flag(teacher[2], "--tp-size") == "2" and _flag(teacher[2], "--dp-size") == "1"
     assert _flag(trains[0][2], "--config") == str(cfg_file)
     assert cfg.algo.preset == "opd" and cfg.logging.out_dir == "/o/run1"
@@ -210,7 +225,7 @@ def test_70b_teacher_spans_two_dedicated_nodes(fake_bin):
         assert gpus == set(range(8))
     assert cfg.teacher.server_url == f"http://n3:{_flag(teacher[0][2], '--port')}"
     (rollout,) = _server(servers, "/models/Llama-3.1-8B-Instruct")
-    assert rollout[0] == "n2" and _flag(rollout[2], "--dp-size") == "8"
+    assert rollout[0] == "n2" and (_flag(rollout[2], "--tp-size"), _flag(rollout[2], "--dp-size")) == ("8", "1")
     assert [t[0] for t in trains] == ["n1"]
     # train / rollout / teacher nodes are disjoint
     assert {t[0] for t in trains}.isdisjoint({"n2", "n3", "n4"})
@@ -244,6 +259,8 @@ def test_repo_root_from_elsewhere(fake_bin, tmp_path):
     ("opd_1p5b.sbatch", ["n1"], {"CONFIG": "examples/nope.yaml"}, "config file 'examples/nope.yaml' not found"),
     ("opd_70b_teacher.sbatch", ["n1", "n2", "n3", "n4"], {"TEACHER_TP": "4"}, "multi-node server must be one replica"),
     ("opd_70b_teacher.sbatch", ["n1", "n2", "n3", "n4"], {"TRAIN_NODES": "x"}, "TRAIN_NODES=x"),
+    ("opd_1p5b.sbatch", ["n1"], {"ROLLOUT_TP": "1"}, "needs one SGLang replica: set ROLLOUT_TP=2"),
+    ("opd_7b.sbatch", ["n1", "n2"], {"ROLLOUT_TP": "2"}, "needs one SGLang replica: set ROLLOUT_TP=4"),
 ])
 def test_bad_layout_fails_with_message(fake_bin, script, nodes, extra, message):
     env = _env(fake_bin, nodes, DRY_RUN="1", **extra)
@@ -254,6 +271,22 @@ def test_bad_layout_fails_with_message(fake_bin, script, nodes, extra, message):
     assert res.returncode != 0
     assert message in res.stderr, res.stderr
     assert "torchrun" not in res.stdout
+
+
+@pytest.mark.parametrize("script,nodes", [("opd_1p5b.sbatch", ["n1"]), ("opd_7b.sbatch", ["n1", "n2"]),
+                                          ("opd_70b_teacher.sbatch", ["n1", "n2", "n3", "n4"])])
+def test_api_key_on_every_server_never_printed(fake_bin, script, nodes):
+    """Each launch_server line carries the job's --api-key through the wrapper (checked in _split); the key
+    itself appears in no printed line, and the trainer is pointed at the servers (it attaches, spawns none)."""
+    secret = "k3y-" + "9f" * 20
+    res = _run(script, _env(fake_bin, nodes, DRY_RUN="1", SGLANG_API_KEY=secret))
+    assert res.returncode == 0, res.stderr
+    assert secret not in res.stdout and secret not in res.stderr
+    cmds = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
+    servers, trains, cfg = _check_layout(cmds)
+    assert len(servers) >= 2 and all("--api-key" not in argv for _, _, argv in servers)
+    assert cfg.rollout.server_url and cfg.teacher.server_url and cfg.rollout.colocate is False
+    assert cfg.rollout.api_key_env == cfg.teacher.api_key_env == "SGLANG_API_KEY"
 
 
 def test_bad_override_fails_before_any_launch(fake_bin):
@@ -294,6 +327,8 @@ port = int(opt("--port"))
 log = os.environ["FAKE_LOG"]
 with open(os.path.join(log, f"sglang_{{port}}.json"), "w") as f:
     json.dump({{"argv": argv, "pid": os.getpid(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}, f)
+if "--api-key" not in argv:
+    sys.exit("fake sglang: started without --api-key")
 mode = os.environ.get("FAKE_SGLANG", "ok")
 if mode == "crash":
     sys.exit(7)
@@ -311,7 +346,8 @@ FAKE_TORCHRUN = r'''#!{python}
 import json, os, sys
 rank = next(a.split("=")[1] for a in sys.argv if a.startswith("--node_rank="))
 with open(os.path.join(os.environ["FAKE_LOG"], f"torchrun_{{rank}}.json"), "w") as f:
-    json.dump({{"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}, f)
+    json.dump({{"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "api_key": os.environ.get("SGLANG_API_KEY")}}, f)
 sys.exit(int(os.environ.get("FAKE_TORCHRUN_RC", "0")))
 '''
 
@@ -375,6 +411,10 @@ def test_real_run_waits_for_servers_and_cleans_up(fake_cluster):
     assert servers == {"4,5", "6,7"}
     assert (Path(env["OUT"]) / "logs" / "sglang_rollout.node0.log").is_file()
     _assert_gone(_server_pids(log))
+    # one generated key per job: every server got it as --api-key, the trainer gets it in SGLANG_API_KEY
+    keys = {_flag(json.loads(p.read_text())["argv"], "--api-key") for p in log.glob("sglang_*.json")}
+    assert keys == {ran["api_key"]} and len(ran["api_key"]) == 64
+    assert ran["api_key"] not in res.stdout + res.stderr
 
 
 def test_real_run_training_failure_propagates(fake_cluster):

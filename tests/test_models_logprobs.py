@@ -149,3 +149,32 @@ def test_tp2_logprobs_grad_and_kl_match_unsharded() -> None:
     got_grad = torch.cat([torch.from_numpy(r0["grad"]), torch.from_numpy(r1["grad"])], -1)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-12, rtol=0)
     assert torch.count_nonzero(got_grad[:, V_REAL:]) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 1024])
+def test_temperature_scales_logits_in_value_and_grad(chunk: int) -> None:
+    """log softmax(z / T)[y] and its gradient, without a scaled copy of the logits; padding still excluded."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 4, 12, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    target = torch.randint(0, 10, (3, 4), generator=g)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    got = vocab_parallel_token_logprobs(logits, target, vocab_size=10, chunk_size=chunk, temperature=0.7)
+    (gg,) = torch.autograd.grad((got * w).sum(), logits)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = _naive(ref_logits[..., :10] / 0.7, target)
+    (rg,) = torch.autograd.grad((ref * w).sum(), ref_logits)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(gg, rg, atol=1e-12, rtol=0)
+    assert gg[..., 10:].abs().max() == 0
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_token_logprobs(logits, target, temperature=0.0)
+
+
+def test_nonfinite_logits_raise_or_return_nan() -> None:
+    logits = torch.randn(2, 3, 8)
+    logits[1, 2, 5] = float("nan")
+    target = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="non-finite"):
+        vocab_parallel_token_logprobs(logits, target)
+    out = vocab_parallel_token_logprobs(logits, target, on_nonfinite="return")
+    assert torch.isnan(out[1, 2]) and torch.isfinite(out[0]).all() and torch.isfinite(out[1, :2]).all()

@@ -135,14 +135,17 @@ def test_nonfinite_loss_or_grad_skips_the_update_and_is_counted(setup, tmp_path)
         trainer.close()
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "token_mean+adv_normalize"])
 def test_micro_batches_accumulate_to_the_whole_minibatch(setup, tmp_path, mode):
-    """train.micro_batch_size only changes memory: losses, gradient norm and weights match one micro-batch."""
+    """train.micro_batch_size only changes memory: losses, gradient norm and weights match one micro-batch
+    (with adv_normalize too: whitening uses whole-minibatch statistics, not per-micro-batch ones)."""
+    mode, _, flag = mode.partition("+")
+    extra = [f"algo.{flag}=true"] if flag else []
     runs = {}
     for mbs in (1, 8):
         out = tmp_path / f"mbs{mbs}"
         _train(_cfg(setup, out, "stable_opd", 2, "teacher.backend=megatron", f"train.micro_batch_size={mbs}",
-                    f"algo.loss_agg_mode={mode}", "checkpoint.save_every=2"))
+                    f"algo.loss_agg_mode={mode}", "checkpoint.save_every=2", *extra))
         runs[mbs] = read_metrics(out)
     for r1, r8 in zip(runs[1], runs[8]):
         for key in ("loss/total_loss", "loss/pg_loss", "loss/kl", "loss/golden_loss", "loss/grad_norm",

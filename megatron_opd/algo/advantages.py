@@ -92,12 +92,18 @@ def compute_advantages(
     mask_truncated: bool = False,
     eos_pos: Optional[torch.Tensor] = None,
     eps: float = 1e-8,
+    norm_stats: Optional[tuple[float, float, float]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (advantages [B, T] float32, detached; policy-token mask [B, T] bool).
 
     Order: A = teacher_logp - old_logp on policy tokens (0 elsewhere) -> clamp to [-clip, clip]
     (per-token, bounding single outlier log-ratios) -> discounted sum of future A with `gamma`
     -> whiten (subtract mean, divide by population std + eps over policy tokens) -> 0 off-mask.
+
+    `norm_stats` = (sum, sum of squares, count) of the pre-whitening advantage over a larger token set
+    (the whole minibatch on all data-parallel ranks, see `whitening_stats`): whitening then uses that
+    set's mean and population std instead of this batch's, so splitting a minibatch into micro-batches
+    or data-parallel shares does not change the advantages.
     """
     mask = rollout_token_mask(response_mask, is_golden, truncated, mask_truncated=mask_truncated, eos_pos=eos_pos)
     for name, x in (("teacher_logp", teacher_logp), ("old_logp", old_logp)):
@@ -113,11 +119,26 @@ def compute_advantages(
         adv = discounted_reverse_cumsum(adv, float(gamma))
         adv = zero_padding(adv, mask)
     if normalize:
-        n = mask.sum().clamp(min=1)
-        mean = adv.sum() / n
-        var = zero_padding((adv - mean) ** 2, mask).sum() / n
+        if norm_stats is not None:
+            total, total_sq, count = (float(v) for v in norm_stats)
+            count = max(count, 1.0)
+            mean_f = total / count
+            var_f = max(total_sq / count - mean_f * mean_f, 0.0)
+            mean = torch.tensor(mean_f, dtype=adv.dtype, device=adv.device)
+            var = torch.tensor(var_f, dtype=adv.dtype, device=adv.device)
+        else:
+            n = mask.sum().clamp(min=1)
+            mean = adv.sum() / n
+            var = zero_padding((adv - mean) ** 2, mask).sum() / n
         adv = (adv - mean) / (var.sqrt() + eps)
     return zero_padding(adv, mask), mask
 
 
-__all__ = ["compute_advantages", "discounted_reverse_cumsum", "rollout_token_mask"]
+def whitening_stats(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """float64 [sum, sum of squares, count] of `adv` over `mask`: add these over micro-batches / ranks
+    (e.g. all-reduce) and pass them as `compute_advantages(norm_stats=...)`."""
+    a = adv.detach().double()[mask]
+    return torch.stack([a.sum(), (a * a).sum(), torch.tensor(float(a.numel()), dtype=torch.float64)])
+
+
+__all__ = ["compute_advantages", "discounted_reverse_cumsum", "rollout_token_mask", "whitening_stats"]

@@ -106,6 +106,7 @@ def stable_opd_loss(
     eos_pos: Optional[torch.Tensor] = None,
     reduce: Optional[Reduce] = None,
     global_counts: Optional[Mapping[str, tuple[float, float]]] = None,
+    adv_stats: Optional[tuple[float, float, float]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Return (total loss scalar with grad, float terms for logging).
 
@@ -118,6 +119,8 @@ def stable_opd_loss(
     `global_counts` {"pg" | "rollout" | "golden": (num_tokens, num_seqs)} replaces a term's local
     counts in its normaliser: when a batch is split over data-parallel ranks, each rank's loss is then
     its exact share of the whole-batch loss (see `term_masks`).
+    `adv_stats` (sum, sum of squares, count) of the pre-whitening advantage over the whole minibatch
+    on all data-parallel ranks: with adv_normalize, whitening uses them instead of this batch's own.
     """
     if not isinstance(cfg, AlgoConfig):
         raise ValueError(f"cfg: expected an AlgoConfig, got {type(cfg).__name__}")
@@ -138,7 +141,7 @@ def stable_opd_loss(
     rollout_mask, gold_mask = sets["rollout"], sets["golden"]
     adv, pg_mask = compute_advantages(
         teacher_logp, old_logp, mask, gold, trunc, clip=cfg.adv_clip, normalize=cfg.adv_normalize,
-        gamma=cfg.adv_gamma, mask_truncated=cfg.mask_truncated, eos_pos=eos_pos,
+        gamma=cfg.adv_gamma, mask_truncated=cfg.mask_truncated, eos_pos=eos_pos, norm_stats=adv_stats,
     )
     agg = dict(mode=cfg.loss_agg_mode, constant=cfg.loss_agg_constant)
     counts = dict(global_counts or {})

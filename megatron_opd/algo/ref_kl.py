@@ -11,7 +11,10 @@ Two ways:
   For a vocabulary sharded across tensor-parallel ranks every cross-vocab reduction goes through
   `reduce(tensor, op)`: max for the logsumexp shift, sum for the normaliser and the KL. Backward needs
   no reduction at all because the per-row statistics are saved.
-- `kl_estimator`: k1/k2/k3 on the sampled tokens from token log-probs (Schulman's estimators).
+- `kl_estimator`: k1/k2/k3/k3+ on the sampled tokens from token log-probs (Schulman's estimators).
+  As *loss terms* (differentiated through log pi_theta(y) only, y ~ pi_theta not differentiated) their
+  expected gradients differ: k1 -> 0, k2 -> grad KL(pi_theta || pi_ref), k3 -> grad KL(pi_ref || pi_theta),
+  k3+ (value of k3, gradient of k2) -> grad KL(pi_theta || pi_ref). See `kl_estimator`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from megatron_opd.algo._checks import acc, check_float, check_shape
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
-KL_ESTIMATORS = ("full", "k1", "k2", "k3")
+KL_ESTIMATORS = ("full", "k1", "k2", "k3", "k3+")
 
 
 def identity_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -180,12 +183,24 @@ def full_kl_reference(student_logits: torch.Tensor, ref_logits: torch.Tensor) ->
 def kl_estimator(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str, *, clamp: float = 10.0) -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from the sampled token's log-probs (y ~ pi_theta).
 
+    Values (expectation over y ~ pi_theta):
     k1 = logp - ref_logp                      (unbiased, high variance, can be negative)
     k2 = 0.5 * (logp - ref_logp)^2            (biased, low variance, >= 0)
     k3 = exp(d) - d - 1, d = clamp(ref_logp - logp, -clamp, clamp)   (unbiased before the clamp, >= 0)
+    k3+ = the value of k3 with the gradient of k2 (straight-through: k3.detach() + k2 - k2.detach()),
+          verl's "k3+" / "low_var_kl+"
+
+    Gradients. Used as a loss, the estimate is differentiated through logp = log pi_theta(y) only (the
+    sample y ~ pi_theta is not), so the expected gradient is E_y[d k / d theta] with g = grad logp(y):
+    k1:  E[g] = 0                                    -> no gradient in expectation (only noise)
+    k2:  E[(logp - ref_logp) g] = grad KL(pi_theta || pi_ref)       (the gradient of the KL we log)
+    k3:  E[(1 - pi_ref/pi_theta) g] = -sum_y pi_ref(y) g(y) = grad KL(pi_ref || pi_theta)  (the reverse
+         direction: mass-covering, not mode-seeking; inside the clamp)
+    k3+: as k2, grad KL(pi_theta || pi_ref), while the logged value is the low-variance k3
+    (tests/test_algo_ref_kl.py checks each by exact enumeration over a small vocabulary.)
     """
-    if kind not in ("k1", "k2", "k3"):
-        raise ValueError(f"kl_estimator: must be one of ['k1', 'k2', 'k3'] here (got {kind!r}); 'full' needs logits")
+    if kind not in ("k1", "k2", "k3", "k3+"):
+        raise ValueError(f"kl_estimator: must be one of ['k1', 'k2', 'k3', 'k3+'] here (got {kind!r}); 'full' needs logits")
     check_shape("ref_logp", ref_logp, logp.shape)
     diff = acc(logp) - acc(ref_logp.detach())
     if kind == "k1":
@@ -195,7 +210,11 @@ def kl_estimator(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str, *, clamp
     if clamp <= 0:
         raise ValueError(f"kl_clamp: must be > 0, got {clamp}")
     d = (-diff).clamp(-clamp, clamp)
-    return torch.exp(d) - d - 1.0
+    k3 = torch.exp(d) - d - 1.0
+    if kind == "k3":
+        return k3
+    k2 = 0.5 * diff * diff
+    return k3.detach() + (k2 - k2.detach())
 
 
 __all__ = ["KL_ESTIMATORS", "Reduce", "full_kl", "full_kl_reference", "identity_reduce", "kl_estimator"]

@@ -67,7 +67,7 @@ def _valid_columns(v_local: int, vocab_size: Optional[int], tp_group: Optional[d
 
 class _VocabParallelTokenLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, tp_group, vocab_size, chunk_size):  # type: ignore[override]
+    def forward(ctx, logits, target, tp_group, vocab_size, chunk_size, temperature, on_nonfinite):  # type: ignore[override]
         N, v_local = logits.shape
         start, _ = _local_vocab_range(v_local, tp_group)
         n_valid = _valid_columns(v_local, vocab_size, tp_group)
@@ -81,6 +81,8 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             e = min(N, s + chunk_size)
             x = logits[s:e].to(acc, copy=True)
+            if temperature != 1.0:
+                x.div_(temperature)
             if n_valid < v_local:
                 x[:, n_valid:] = float("-inf")
             m = x.max(dim=-1).values
@@ -96,11 +98,11 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             lse[s:e] = m + sumexp.log()
             tgt_logit[s:e] = t
         logp = tgt_logit - lse
-        if not bool(torch.isfinite(logp).all()):
+        if on_nonfinite == "raise" and not bool(torch.isfinite(logp).all()):
             bad = int((~torch.isfinite(logp)).nonzero()[0])
             raise ValueError(f"logits: non-finite token log-prob at flat position {bad} (NaN/inf logits)")
         ctx.save_for_backward(logits, local_t, in_shard, lse)
-        ctx.n_valid, ctx.chunk_size = n_valid, chunk_size
+        ctx.n_valid, ctx.chunk_size, ctx.temperature = n_valid, chunk_size, temperature
         return logp.to(logits.dtype) if logits.dtype != acc else logp
 
     @staticmethod
@@ -112,14 +114,19 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
         for s in range(0, N, ctx.chunk_size):
             e = min(N, s + ctx.chunk_size)
             g = grad_logp[s:e].to(lse.dtype)
-            p = logits[s:e].to(lse.dtype, copy=True).sub_(lse[s:e, None]).exp_()
+            if ctx.temperature != 1.0:  # d logp / d z = (onehot - softmax(z / T)) / T
+                g = g / ctx.temperature
+            p = logits[s:e].to(lse.dtype, copy=True)
+            if ctx.temperature != 1.0:
+                p.div_(ctx.temperature)
+            p.sub_(lse[s:e, None]).exp_()
             if ctx.n_valid < v_local:
                 p[:, ctx.n_valid:] = 0.0
             p.mul_(-g[:, None])
             rows = torch.arange(e - s, device=logits.device)[in_shard[s:e]]
             p[rows, local_t[s:e][in_shard[s:e]]] += g[in_shard[s:e]]
             grad[s:e] = p.to(grad.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_token_logprobs(
@@ -129,18 +136,28 @@ def vocab_parallel_token_logprobs(
     *,
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
+    temperature: float = 1.0,
+    on_nonfinite: str = "raise",
 ) -> torch.Tensor:
-    """``log softmax(logits)[target]`` for logits sharded over the vocab: ``[..., V/tp]`` -> ``[...]``.
+    """``log softmax(logits / temperature)[target]`` for logits sharded over the vocab:
+    ``[..., V/tp]`` -> ``[...]``.
 
     ``tp_group`` None (or size 1): the shard is the whole vocabulary. ``vocab_size``: the real
     vocabulary; columns at or beyond it (megatron's padding) are excluded. Differentiable w.r.t. the
-    logits. Targets outside ``[0, vocab_size)`` are an error.
+    logits. Targets outside ``[0, vocab_size)`` are an error. ``temperature`` (> 0): the sampling
+    temperature, applied chunk by chunk (no scaled copy of the whole logits). ``on_nonfinite``:
+    ``"raise"`` (ValueError on a NaN/inf log-prob) or ``"return"`` (return it, so the caller can make
+    every rank agree to skip the step instead of one rank dying mid-collective).
     """
     if logits_shard.shape[:-1] != target_ids.shape:
         raise ValueError(f"target_ids: shape {tuple(target_ids.shape)} does not match logits "
                          f"{tuple(logits_shard.shape)} without the vocab dim")
     if chunk_size < 1:
         raise ValueError(f"chunk_size: must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    if on_nonfinite not in ("raise", "return"):
+        raise ValueError(f"on_nonfinite: must be 'raise' or 'return', got {on_nonfinite!r}")
     size, _ = _group_size_rank(tp_group)
     v_total = logits_shard.shape[-1] * size
     limit = v_total if vocab_size is None else min(vocab_size, v_total)
@@ -149,7 +166,7 @@ def vocab_parallel_token_logprobs(
                          f"[{int(target_ids.min())}, {int(target_ids.max())}]")
     flat = logits_shard.reshape(-1, logits_shard.shape[-1])
     out = _VocabParallelTokenLogprob.apply(flat, target_ids.reshape(-1).long(), tp_group, vocab_size,
-                                           int(chunk_size))
+                                           int(chunk_size), float(temperature), on_nonfinite)
     return out.reshape(target_ids.shape)
 
 
@@ -263,6 +280,7 @@ def forward_backward(
     loss_fn: LossFn,
     *,
     forward_only: bool = False,
+    prepare: Optional[Callable[[dict], None]] = None,
 ) -> list[dict]:
     """Run megatron's pipeline schedule (``get_forward_backward_func``) over ``microbatches``.
 
@@ -271,6 +289,8 @@ def forward_backward(
     passes the same list. On the last stage ``loss_fn(logits [b, S, V/tp], microbatch)`` returns
     ``(scalar loss, dict of tensors to report)``; megatron averages the loss over microbatches before
     backward. Returns the reported dicts (last pipeline stage; ``[]`` elsewhere). Works for PP=1 too.
+    ``prepare(microbatch)``, if given, runs right before each microbatch's forward on this stage
+    (the trainer computes that micro-batch's reference logits there, so only one is ever held).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -284,6 +304,8 @@ def forward_backward(
 
     def forward_step(data_iterator: Iterator[dict], mdl: torch.nn.Module):
         mb = next(data_iterator)
+        if prepare is not None:
+            prepare(mb)
         ids = mb["input_ids"]
         pos = mb.get("position_ids")
         if pos is None:

@@ -9,24 +9,101 @@ from megatron_opd.rollout.base import (EOSMismatchError, RolloutEngine, Sample, 
 
 
 def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
-                        eos_token_ids: Optional[list[int]] = None) -> RolloutEngine:
-    """Engine for a `RolloutConfig`: backend=local (on `model` if given, else loaded from `hf_path`) or
-    sglang (engine or server mode, bound to cfg.host:cfg.port, or attached to cfg.server_url)."""
+                        eos_token_ids: Optional[list[int]] = None, pad_token_id: Optional[int] = None,
+                        log_path: Optional[str] = None) -> RolloutEngine:
+    """The one place rollout engines are built (trainer, eval, demo), from a `RolloutConfig`:
+      * backend=local: LocalEngine on `model` if given, else loaded from `hf_path`.
+      * backend=sglang, sglang_mode=engine: in-process sglang.Engine (mem_fraction_static; with
+        colocate=true on CUDA, SGLang's memory saver so the trainer can release/resume it).
+      * backend=sglang, sglang_mode=server: attach to cfg.server_url when set (nothing is spawned; that
+        URL is the one contacted), else launch `sglang.launch_server` bound to cfg.host:cfg.port.
+    The API key is read from the environment variable named by cfg.api_key_env (a launched server gets
+    that key, or a generated one, as --api-key)."""
     if cfg.backend == "local":
         from megatron_opd.rollout.local import LocalEngine
 
+        eos = eos_token_ids or eos_ids_from(hf_path)
         if model is not None:
-            return LocalEngine(model, eos_token_ids=eos_token_ids or eos_ids_from(hf_path))
-        return LocalEngine.from_pretrained(hf_path, eos_token_ids=eos_token_ids or eos_ids_from(hf_path))
+            return LocalEngine(model, eos_token_ids=eos, pad_token_id=pad_token_id)
+        return LocalEngine.from_pretrained(hf_path, eos_token_ids=eos, pad_token_id=pad_token_id)
     if cfg.backend == "sglang":
+        import torch
+
+        from megatron_opd.rollout.server import api_key_from_env
         from megatron_opd.rollout.sglang_engine import SGLangEngine
 
-        kwargs = {"mem_fraction_static": cfg.mem_fraction_static}
+        # release/resume needs SGLang's memory saver (torch_memory_saver): CUDA only
+        memory_saver = bool(cfg.colocate) and torch.cuda.is_available()
         return SGLangEngine(hf_path, mode=cfg.sglang_mode, eos_token_ids=eos_token_ids, server_url=cfg.server_url,
-                            host=cfg.host, port=cfg.port, engine_kwargs=kwargs,
-                            server_args=["--mem-fraction-static", str(cfg.mem_fraction_static)])
+                            host=cfg.host, port=cfg.port, engine_kwargs={"mem_fraction_static": cfg.mem_fraction_static},
+                            server_args=["--mem-fraction-static", str(cfg.mem_fraction_static)],
+                            api_key=api_key_from_env(getattr(cfg, "api_key_env", None)), memory_saver=memory_saver,
+                            weight_sync_timeout=getattr(cfg, "weight_sync_timeout", 600.0), log_path=log_path)
     raise ValueError(f"rollout.backend: unknown {cfg.backend!r} (expected local or sglang)")
 
 
+def weight_sync_backend(parallel_backend: str = "auto") -> str:
+    """Backend of the disaggregated weight group: the trainer's parallel.backend, or with "auto" NCCL when
+    CUDA is available and gloo otherwise."""
+    import torch
+
+    if parallel_backend in ("nccl", "gloo"):
+        return parallel_backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def weight_sync_address(engine: Any) -> str:
+    """Address the engine reaches trainer rank 0 at for the weight-group rendezvous: $MEGATRON_OPD_WEIGHT_SYNC_ADDR,
+    else 127.0.0.1 for an engine on this machine (in-process or a loopback URL), else this host's name."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("MEGATRON_OPD_WEIGHT_SYNC_ADDR"):
+        return os.environ["MEGATRON_OPD_WEIGHT_SYNC_ADDR"]
+    url = getattr(engine, "url", None)
+    host = urlparse(url).hostname if url else None
+    if host is None or host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def sync_weights(engine: Any, named_tensors: Any, version: int, cfg: Any, parallel_backend: str = "auto") -> int:
+    """Push the trainer's HF-named weights to `engine` the way cfg (a RolloutConfig) says; returns the
+    number of buckets sent. SGLang with colocate=false: over a weight process group (created on the first
+    call: init_weights_update_group, then update_weights_from_distributed per bucket; NCCL on GPU, gloo on
+    CPU). Otherwise by tensor (update_weights_from_tensor), after resume_memory() when the colocated
+    engine's memory was released for training (see release_engine_memory)."""
+    if cfg.backend == "sglang" and not cfg.colocate:
+        if not engine.has_weight_group:
+            engine.init_weight_group(weight_sync_address(engine), _free_port(),
+                                     backend=weight_sync_backend(parallel_backend))
+        return push_weights(engine, named_tensors, version, bucket_mb=cfg.sync_bucket_mb, via="distributed")
+    if getattr(engine, "memory_released", False):
+        engine.resume_memory()
+        engine.memory_released = False
+    return push_weights(engine, named_tensors, version, bucket_mb=cfg.sync_bucket_mb)
+
+
+def release_engine_memory(engine: Any, cfg: Any) -> bool:
+    """Colocated SGLang: free the engine's weights and KV cache while the trainer computes (sync_weights
+    resumes it before the next generation). A no-op (False) for other engines or without the memory saver."""
+    if cfg.backend != "sglang" or not cfg.colocate or not getattr(engine, "memory_saver", False):
+        return False
+    if not getattr(engine, "memory_released", False):
+        engine.release_memory()
+        engine.memory_released = True
+    return True
+
+
 __all__ = ["EOSMismatchError", "RolloutEngine", "Sample", "SamplingParams", "StaleWeightsError", "assert_fresh",
-           "check_eos_compat", "eos_ids_from", "iter_buckets", "make_rollout_engine", "push_weights"]
+           "check_eos_compat", "eos_ids_from", "iter_buckets", "make_rollout_engine", "push_weights", "release_engine_memory", "sync_weights",
+           "weight_sync_address", "weight_sync_backend"]

@@ -143,8 +143,10 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
 
 def push_weights(engine: "RolloutEngine", named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                 bucket_mb: float = 512) -> int:
-    """Send all weights to `engine` in buckets, marking the last one; returns the number of buckets."""
+                 bucket_mb: float = 512, via: str = "tensor") -> int:
+    """Send all weights to `engine` in buckets, marking the last one; returns the number of buckets.
+    `via="distributed"` (SGLang, disaggregated) broadcasts each bucket over the engine's weight group."""
+    extra = {} if via == "tensor" else {"via": via}
     it = iter_buckets(named_tensors, int(bucket_mb * 2**20))
     count = 0
     current = next(it, None)
@@ -152,7 +154,7 @@ def push_weights(engine: "RolloutEngine", named_tensors: Iterable[tuple[str, tor
         raise ValueError("push_weights: no tensors to send")
     while current is not None:
         nxt = next(it, None)
-        engine.update_weights(current, version, last_bucket=nxt is None)
+        engine.update_weights(current, version, last_bucket=nxt is None, **extra)
         count += 1
         current = nxt
     return count

@@ -25,22 +25,80 @@ class ServerError(RuntimeError):
     """The server failed to start, died, or did not answer in time."""
 
 
-def http_json(url: str, payload: Optional[dict] = None, timeout: float = 60.0, method: Optional[str] = None) -> Any:
+def api_key_from_env(var: Optional[str]) -> Optional[str]:
+    """The API key held by environment variable `var` ("" / None / unset / empty: no key). Keys live in the
+    environment, never in a config file: the trainer writes its config next to its checkpoints."""
+    return (os.environ.get(var) or None) if var else None
+
+
+def redact(argv: Sequence[str]) -> list[str]:
+    """argv with the value after `--api-key` (or of `--api-key=...`) replaced, for logs and error messages."""
+    out, hide = [], False
+    for a in map(str, argv):
+        if hide:
+            out.append("<redacted>")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=<redacted>")
+        else:
+            out.append(a)
+    return out
+
+
+def http_json(url: str, payload: Optional[dict] = None, timeout: float = 60.0, method: Optional[str] = None,
+              api_key: Optional[str] = None) -> Any:
     """GET (payload None) or POST JSON; returns the decoded JSON body (or the text if not JSON).
-    HTTP error statuses raise ServerError with the body, which is where servers put the reason."""
+    HTTP error statuses raise ServerError with the body, which is where servers put the reason
+    (`.status` holds the code). `api_key` is sent as `Authorization: Bearer <key>` (SGLang's --api-key)."""
     data = None if payload is None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url, data=data, method=method or ("GET" if data is None else "POST"),
-                                 headers={"Content-Type": "application/json"})
+                                 headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode()
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:2000]
-        raise ServerError(f"{url}: HTTP {e.code}: {detail}") from None
+        hint = ""
+        if e.code in (401, 403):
+            hint = (" (the server wants an API key: export the one it was started with --api-key in the variable "
+                    "named by rollout.api_key_env / teacher.api_key_env, default SGLANG_API_KEY)" if not api_key
+                    else " (the API key sent was refused: is it the server's --api-key?)")
+        err = ServerError(f"{url}: HTTP {e.code}: {detail}{hint}")
+        err.status = e.code
+        raise err from None
     try:
         return json.loads(body) if body else None
     except json.JSONDecodeError:
         return body
+
+
+def http_json_retry(url: str, payload: Optional[dict] = None, timeout: float = 60.0, retries: int = 4,
+                    backoff: float = 0.5, max_backoff: float = 30.0, api_key: Optional[str] = None,
+                    what: str = "server") -> Any:
+    """http_json for a server given by URL (nothing to watch but the network): connection errors, timeouts
+    and HTTP 5xx are retried `retries` times with exponential backoff (backoff * 2**attempt, capped);
+    other HTTP errors (4xx: a bad request or a missing key) raise at once. After the last attempt:
+    ServerError naming the URL, the attempt count and the last error. Use only for idempotent requests."""
+    last: Optional[BaseException] = None
+    for attempt in range(retries + 1):
+        try:
+            return http_json(url, payload, timeout=timeout, api_key=api_key)
+        except ServerError as e:
+            if getattr(e, "status", 0) < 500:
+                raise
+            last = e
+        except (OSError, urllib.error.URLError) as e:  # refused / reset / DNS / timeout
+            last = e
+        if attempt < retries:
+            time.sleep(min(backoff * 2 ** attempt, max_backoff))
+    raise ServerError(f"{what} {url}: no successful answer after {retries + 1} attempt(s) "
+                      f"(exponential backoff from {backoff}s); last error: {last}")
 
 
 def _tail(path: Path, n: int) -> str:
@@ -62,8 +120,9 @@ class ServerProcess:
     def __init__(self, cmd: Sequence[str], host: str = "127.0.0.1", port: int = 30000, health_path: str = "/health",
                  startup_timeout: float = 600.0, request_timeout: float = 600.0, retries: int = 2,
                  log_path: Optional[str | Path] = None, env: Optional[dict[str, str]] = None, max_restarts: int = 0,
-                 log_tail_lines: int = 40):
+                 log_tail_lines: int = 40, api_key: Optional[str] = None):
         self.cmd = [str(c) for c in cmd]
+        self.api_key = api_key  # sent with every request (the server was started with --api-key)
         self.host, self.port = host, port
         self.health_path = health_path
         self.startup_timeout = startup_timeout
@@ -98,7 +157,7 @@ class ServerProcess:
 
     def _died(self, what: str) -> ServerError:
         rc = self.proc.returncode if self.proc is not None else None
-        return ServerError(f"server {self.url} {what} (exit code {rc}); command: {' '.join(self.cmd)}\n"
+        return ServerError(f"server {self.url} {what} (exit code {rc}); command: {' '.join(redact(self.cmd))}\n"
                            f"--- last log lines ({self.log_path}) ---\n{self.last_log()}")
 
     def is_alive(self) -> bool:
@@ -106,7 +165,7 @@ class ServerProcess:
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            http_json(self.url + self.health_path, timeout=timeout)
+            http_json(self.url + self.health_path, timeout=timeout, api_key=self.api_key)
             return True
         except (ServerError, OSError):
             return False
@@ -150,7 +209,8 @@ class ServerProcess:
         for attempt in range(retries + 1):
             self.ensure_alive()
             try:
-                return http_json(self.url + path, payload, timeout=timeout or self.request_timeout)
+                return http_json(self.url + path, payload, timeout=timeout or self.request_timeout,
+                                 api_key=self.api_key)
             except ServerError:
                 raise
             except (OSError, urllib.error.URLError) as e:  # refused / reset / timeout
@@ -194,4 +254,5 @@ def sglang_server_cmd(model_path: str | Path, host: str = "127.0.0.1", port: int
             "--port", str(port), "--skip-tokenizer-init", *extra_args]
 
 
-__all__ = ["ServerError", "ServerProcess", "http_json", "sglang_server_cmd"]
+__all__ = ["ServerError", "ServerProcess", "api_key_from_env", "http_json", "http_json_retry", "redact",
+           "sglang_server_cmd"]

@@ -21,7 +21,10 @@ from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate
 def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group: Any
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k full-vocab log-probs of vocab-sharded logits [N, V/tp] -> (ids [N, k], logprobs [N, k]).
-    Each rank proposes its local top-k; the global top-k is among the gathered tp*k candidates."""
+    Each rank proposes its local top-k; the global top-k is among the gathered tp*k candidates.
+    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded: their ids never appear."""
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"top_k: must be in [1, vocab_size={vocab_size}], got {k}")
     x = logits.float()
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -48,7 +51,11 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group:
         dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
         vals, ids = torch.cat(all_vals, -1), torch.cat(all_ids, -1)
     best_vals, pos = torch.topk(vals, k, dim=-1)
-    return ids.gather(-1, pos), best_vals
+    best_ids = ids.gather(-1, pos)
+    # A padding column can only win with non-finite logits: report its log-prob as NaN (the trainer
+    # then skips the step on every rank) and never hand out its id.
+    pad = best_ids >= vocab_size
+    return best_ids.masked_fill(pad, 0), best_vals.masked_fill(pad, float("nan"))
 
 
 class MegatronTeacher:

@@ -3,6 +3,10 @@
 The request asks for input log-probs from the last prompt token on (`logprob_start_len = P - 1`) and
 the client keeps the last T entries. Every kept entry carries the token id SGLang scored, and it must
 equal the response token at that position: any off-by-one in the server's indexing fails loudly here.
+
+A teacher given by URL (no process to watch) is asked with retries: connection errors, timeouts and
+HTTP 5xx are retried `retries` times with exponential backoff, then ServerError names the URL and the
+attempt count. `api_key` (SGLang's --api-key) is sent as `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -11,15 +15,22 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_opd.rollout.server import ServerProcess, http_json
+from megatron_opd.rollout.server import ServerProcess, http_json_retry
 from megatron_opd.teacher.base import TeacherScore, TeacherScoreError, check_score_inputs, validate_scores
 
 
 class SGLangTeacher:
     def __init__(self, server: str | ServerProcess, eos_token_ids: list[int], micro_batch_size: int = 32,
-                 timeout: float = 600.0, vocab_size: Optional[int] = None):
+                 timeout: float = 600.0, vocab_size: Optional[int] = None, api_key: Optional[str] = None,
+                 retries: int = 4, backoff: float = 1.0):
+        if server is None or (isinstance(server, str) and not server.strip()):
+            raise ValueError("SGLangTeacher: no server (set teacher.server_url, e.g. http://host:30001)")
         self.server = server if isinstance(server, ServerProcess) else None
         self.url = server.url if isinstance(server, ServerProcess) else str(server).rstrip("/")
+        if self.server is not None and api_key is not None:
+            self.server.api_key = api_key
+        self.api_key = api_key if self.server is None else self.server.api_key
+        self.retries, self.backoff = retries, backoff
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.micro_batch_size = micro_batch_size
         self.timeout = timeout
@@ -28,7 +39,8 @@ class SGLangTeacher:
     def _post(self, payload: dict) -> Any:
         if self.server is not None:
             return self.server.request("/generate", payload, timeout=self.timeout)
-        return http_json(self.url + "/generate", payload, timeout=self.timeout)
+        return http_json_retry(self.url + "/generate", payload, timeout=self.timeout, retries=self.retries,
+                               backoff=self.backoff, api_key=self.api_key, what="SGLang teacher")
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], top_k: int = 0) -> list[TeacherScore]:
         check_score_inputs(prompts, responses, self.vocab_size, top_k)

@@ -35,7 +35,8 @@ class TrainBatch:
     truncated: torch.Tensor  # [B] bool
     behaviour_logp: Optional[torch.Tensor] = None  # [B, T] from the rollout engine (rollout rows only)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, T, ...]: teacher_logp, ref_logp, old_logp ...
-    ref_logits: Optional[torch.Tensor] = None  # [N, V/tp] reference logits of the N valid tokens (full KL)
+    ref_logits: Optional[torch.Tensor] = None  # [N, V/tp] reference logits of the N valid tokens (full KL;
+    # model dtype, set on a micro-batch just before its forward and dropped after its loss)
 
     @property
     def batch_size(self) -> int:
@@ -58,8 +59,28 @@ class TrainBatch:
             extras={k: v[rows, :t_max] if v.dim() >= 2 else v[rows] for k, v in self.extras.items()})
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def seq_len_multiple(fp8: Optional[str] = None, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """The multiple every micro-batch's sequence length L is padded to.
+
+    FP8: Transformer Engine's FP8 GEMMs need the token dimension of their inputs divisible by 16
+    (fprop needs 8, wgrad 16) for the per-tensor recipes (delayed, tensorwise), by the scaling block
+    for the block recipes (mxfp8: 32, blockwise: 128): the factors of megatron-core's multimodal
+    `get_padding` (16; mxfp8 32) and ms-swift's megatron padding (blockwise 128). The GEMMs see b * L
+    tokens, so L a multiple suffices for any b.
+    Sequence parallel splits L over the TP ranks, so each rank's L / tp must be a multiple too
+    (megatron also needs L divisible by tp there, FP8 or not)."""
+    m = 1 if fp8 is None else {"mxfp8": 32, "blockwise": 128}.get(fp8, 16)
+    return m * tp if sequence_parallel and tp > 1 else m
+
+
 def build_batch(items: list[SequenceItem], pad_id: int, pad_to_multiple: int = 1) -> TrainBatch:
-    """Pack items into a TrainBatch. Empty responses are allowed (all-False mask row)."""
+    """Pack items into a TrainBatch. Empty responses are allowed (all-False mask row). L is rounded
+    up to `pad_to_multiple` (`seq_len_multiple`); the trainer pads every micro-batch it forms again,
+    since `TrainBatch.select` trims L to what the selected rows need."""
     if not items:
         raise ValueError("build_batch: no sequences")
     for i, it in enumerate(items):
@@ -71,7 +92,7 @@ def build_batch(items: list[SequenceItem], pad_id: int, pad_to_multiple: int = 1
     B = len(items)
     L = max(len(it.prompt_ids) + len(it.response_ids) for it in items)
     L = max(L, 2)
-    L = -(-L // pad_to_multiple) * pad_to_multiple
+    L = round_up(L, pad_to_multiple)
     T = max(1, max(len(it.response_ids) for it in items))
     tokens = torch.full((B, L), pad_id, dtype=torch.long)
     response_ids = torch.full((B, T), pad_id, dtype=torch.long)

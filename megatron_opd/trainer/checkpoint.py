@@ -1,18 +1,43 @@
 """Atomic, resumable training checkpoints.
 
-A checkpoint is a directory `step_{N:08d}/` holding one `rank{R}.pt` per rank plus `meta.json`. It is
-written under a temporary name and renamed into place only when complete, and `latest` (a one-line
-text file, replaced atomically) is updated last, so a kill at any moment leaves the previous checkpoint
-intact and `latest` pointing at a complete one. Loading uses `weights_only=True`: nothing we did not
-write as plain tensors/containers can execute on load.
+A checkpoint is a directory `step_{N:08d}/` holding one `rank{R}.pt` per rank plus `meta.json`
+(written last, so a directory is *complete* when `meta.json` and every rank file it announces exist).
+`latest` is a one-line text file naming the newest checkpoint, replaced atomically. Loading uses
+`weights_only=True`: nothing we did not write as plain tensors/containers can execute on load.
+
+Crash safety (a SIGKILL at any instruction leaves a loadable checkpoint):
+
+- save: every rank writes into `.tmp_step_N/`; rank 0 adds `meta.json`, fsyncs, renames it to
+  `step_N/`, then points `latest` at it, then prunes. A kill while writing leaves only a stale
+  `.tmp_step_N/` (removed by the next save) and the previous checkpoint untouched.
+- re-save of an existing step (e.g. after a collapse rollback): the old `step_N/` is first renamed
+  to `.old_step_N/`, the new one renamed into place, `latest` updated, and only then is the old copy
+  deleted. Nothing is deleted before its replacement is in place.
+- load: `latest` -> `step_N/` when complete; else `.old_step_N/` (a kill between the two renames of a
+  re-save: the previous copy of the same step); else, with a warning, the newest complete
+  `step_*/` (a pointer to a missing or damaged directory never makes a run unresumable). Without
+  `latest` (killed before the first pointer write) the newest complete `step_*/` is used too.
+- pruning keeps the newest `keep_last` checkpoints by *parsed* step number (`step_100000000` is newer
+  than `step_99999999`), ignores names that are not `step_<digits>`, never removes the step `latest`
+  names, and renames a directory to `.trash_*` before deleting it, so a kill mid-delete never leaves a
+  half-deleted `step_*/` that looks complete. A complete `.old_step_N/` without a `step_N/` (left by a
+  kill mid re-save) is renamed back to `step_N/` by the next save.
+
+Test hook: with `MEGATRON_OPD_CKPT_PAUSE=<phase>:<step>` set, rank 0 stops at that point of the save of
+that step (phases: `written` = all ranks' files and meta in the temporary dir, `moved_aside` = re-save
+only, after the old copy was renamed aside, `renamed` = new dir in place, `latest` not yet updated),
+touches the file named by `MEGATRON_OPD_CKPT_PAUSE_FILE` and sleeps, so a test can SIGKILL it there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,10 +45,25 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+PAUSE_ENV = "MEGATRON_OPD_CKPT_PAUSE"
+PAUSE_FILE_ENV = "MEGATRON_OPD_CKPT_PAUSE_FILE"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+logger = logging.getLogger("megatron_opd.checkpoint")
 
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
+
+
+def _old_dir(root: Path, step: int) -> Path:
+    return root / f".old_step_{step:08d}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    """`step_00000012` -> 12; anything else (`step_foo`, `.tmp_step_1`) -> None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,6 +85,37 @@ def _atomic_write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a directory so that no kill leaves a partly deleted dir under its name: rename first."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash_{path.name.lstrip('.')}_{os.getpid()}")
+    try:
+        os.replace(path, trash)
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _pause_for_test(phase: str, step: int) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec or spec != f"{phase}:{step}":
+        return
+    marker = os.environ.get(PAUSE_FILE_ENV)
+    if marker:
+        Path(marker).write_text(f"{phase}:{step}\n")
+    time.sleep(3600)
+
+
+def is_complete(path: Path) -> bool:
+    """`meta.json` parses and every rank file it announces exists."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        return all((path / f"rank{r}.pt").is_file() for r in range(int(meta["world_size"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def rng_state() -> dict[str, Any]:
@@ -99,16 +170,57 @@ class CheckpointManager:
         self.world_size = world_size
         self._barrier = barrier or (lambda: None)
 
-    def latest_step(self) -> Optional[int]:
-        """The step recorded in `latest`, or None. A pointer to a missing/incomplete dir is an error."""
+    # -- finding ---------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending (by number, not name): `step_N/`, or the aside copy
+        `.old_step_N/` that a kill in the middle of a re-save of step N left as its only copy."""
+        if not self.root.is_dir():
+            return []
+        out = set()
+        for p in self.root.iterdir():
+            s = parse_step(p.name[len(".old_"):] if p.name.startswith(".old_step_") else p.name)
+            if s is not None and s not in out and self._path(s) is not None:
+                out.add(s)
+        return sorted(out)
+
+    def _pointer(self) -> Optional[str]:
         pointer = self.root / LATEST
         if not pointer.is_file():
             return None
-        name = pointer.read_text().strip()
-        path = self.root / name
-        if not (path / "meta.json").is_file():
-            raise RuntimeError(f"checkpoint pointer {pointer} names {name}, which is missing or incomplete")
-        return int(json.loads((path / "meta.json").read_text())["step"])
+        return pointer.read_text().strip()
+
+    def _path(self, step: int) -> Optional[Path]:
+        """The complete directory holding `step`: `step_N/`, else the aside copy `.old_step_N/`."""
+        for p in (_step_dir(self.root, step), _old_dir(self.root, step)):
+            if p.is_dir() and is_complete(p):
+                return p
+        return None
+
+    def latest_step(self) -> Optional[int]:
+        """The step `latest` names, or None when there is no checkpoint. A pointer to a missing or
+        incomplete directory falls back (with a warning) to the aside copy of that step, then to the
+        newest complete checkpoint."""
+        name = self._pointer()
+        if name is not None:
+            step = parse_step(name)
+            path = self._path(step) if step is not None else None
+            if path is not None:
+                if path.name != name:
+                    logger.warning("checkpoint pointer %s names %r, which is missing or incomplete (a save was "
+                                   "killed while replacing it); using its previous copy %s", self.root / LATEST,
+                                   name, path.name)
+                return step
+        steps = self.steps()
+        fallback = steps[-1] if steps else None
+        if name is not None or fallback is not None:
+            why = (f"checkpoint pointer {self.root / LATEST} names {name!r}, which is missing or incomplete"
+                   if name is not None else f"no checkpoint pointer {self.root / LATEST}")
+            logger.warning("%s; %s", why, f"using the newest complete checkpoint, step {fallback}"
+                           if fallback is not None else "no complete checkpoint exists")
+        return fallback
+
+    # -- saving ----------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None) -> Path:
         """Write this rank's `state`; rank 0 finalises (rename, meta, latest, pruning) after a barrier."""
@@ -117,7 +229,7 @@ class CheckpointManager:
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
-                shutil.rmtree(tmp)
+                _remove_dir(tmp)
             tmp.mkdir()
         self._barrier()
         payload = _to_safe(state)
@@ -129,23 +241,51 @@ class CheckpointManager:
         self._barrier()
         if self.rank == 0:
             info = {"step": step, "world_size": self.world_size, **(meta or {})}
-            (tmp / "meta.json").write_text(json.dumps(info, indent=1))
+            with open(tmp / "meta.json", "w") as f:
+                f.write(json.dumps(info, indent=1))
+                f.flush()
+                os.fsync(f.fileno())
             _fsync_dir(tmp)
+            _pause_for_test("written", step)
+            old = _old_dir(self.root, step)
             if final.exists():
-                shutil.rmtree(final)
+                if old.exists():  # left by an earlier kill; `final` is the newer complete copy
+                    _remove_dir(old)
+                os.replace(final, old)
+                _fsync_dir(self.root)
+                _pause_for_test("moved_aside", step)
             os.replace(tmp, final)
             _fsync_dir(self.root)
+            _pause_for_test("renamed", step)
             _atomic_write_text(self.root / LATEST, final.name)
+            _remove_dir(old)
             self._prune()
         self._barrier()
         return final
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete the checkpoints newer than `step` (rank 0; e.g. an abandoned trajectory after a
+        rollback). `latest` must already name a step <= `step`. Returns the steps removed."""
+        removed = []
+        if self.rank == 0 and self.root.is_dir():
+            for p in list(self.root.iterdir()):
+                s = parse_step(p.name)
+                if s is not None and s > step and p.is_dir():
+                    _remove_dir(p)
+                    removed.append(s)
+        self._barrier()
+        return sorted(removed)
+
+    # -- loading ---------------------------------------------------------------------------------
 
     def load(self, step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no checkpoint under {self.root}")
-        path = _step_dir(self.root, step)
+        path = self._path(step)
+        if path is None:
+            raise FileNotFoundError(f"checkpoint step {step} under {self.root}: missing or incomplete")
         meta = json.loads((path / "meta.json").read_text())
         if meta["world_size"] != self.world_size:
             raise RuntimeError(f"checkpoint {path} was written by {meta['world_size']} ranks; this run has "
@@ -156,8 +296,26 @@ class CheckpointManager:
         return step, state
 
     def _prune(self) -> None:
-        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in steps[: max(0, len(steps) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in self.root.glob(".tmp_step_*"):
+        """Keep the newest `keep_last` complete checkpoints by step number, and always the one `latest`
+        names; drop incomplete `step_*` dirs older than it and leftovers of killed saves."""
+        for aside in self.root.glob(".old_step_*"):  # a kill mid re-save: the old copy is the only one
+            s = parse_step(aside.name[len(".old_"):])
+            if s is not None and not _step_dir(self.root, s).exists() and is_complete(aside):
+                os.replace(aside, _step_dir(self.root, s))
+        name = self._pointer()
+        protected = parse_step(name) if name is not None else None
+        dirs = {}
+        for p in self.root.iterdir():
+            s = parse_step(p.name)
+            if s is not None and p.is_dir():
+                dirs[s] = p
+        complete = sorted(s for s, p in dirs.items() if is_complete(p))
+        keep = set(complete[-self.keep_last:]) | ({protected} if protected is not None else set())
+        for s, p in dirs.items():
+            if s in keep:
+                continue
+            if s in complete or (protected is not None and s < protected):
+                _remove_dir(p)
+        for stale in list(self.root.glob(".tmp_step_*")) + list(self.root.glob(".old_step_*")) + list(
+                self.root.glob(".trash_*")):
             shutil.rmtree(stale, ignore_errors=True)

@@ -58,6 +58,35 @@ def golden_count(n_rollouts: int, mixture_ratio: float, n_prompts: int) -> int:
     return max(1, round(mixture_ratio * n_rollouts / (1.0 - mixture_ratio)))
 
 
+def golden_prompt_picks(n_candidates: int, n_gold: int, step: int) -> list[int]:
+    """Which of the step's `n_candidates` prompts (those with a solution) get the `n_gold` golden samples:
+    evenly spaced over the prompts, with the start rotated by the step, so every prompt position gets
+    its turn instead of always the first prompts. More golden samples than prompts wrap around."""
+    if n_candidates <= 0 or n_gold <= 0:
+        return []
+    offset = step % n_candidates
+    return [(offset + (j * n_candidates) // n_gold) % n_candidates for j in range(n_gold)]
+
+
+def golden_response(solution_ids: list[int], stop_ids: list[int], max_new_tokens: int,
+                    eos_id: Optional[int] = None) -> tuple[list[int], bool]:
+    """A golden solution as a response the rollout engine could have produced: (ids, truncated).
+
+    It ends with one of the rollout's stop ids `stop_ids` (the engine's EOS ids): a final `eos_id`
+    (the tokenizer's EOS that `data.prompts.solution_ids` appends) that the engine does not stop on is
+    replaced by `stop_ids[0]`, and a solution without a stop id gets one appended. A solution longer than
+    `max_new_tokens` is cut there and marked truncated (no EOS), like a rollout that hit the budget."""
+    ids = list(solution_ids)
+    stops = set(stop_ids)
+    if not ids or ids[-1] not in stops:
+        if ids and eos_id is not None and ids[-1] == eos_id:
+            ids = ids[:-1]
+        ids.append(stop_ids[0])
+    if len(ids) > max_new_tokens:
+        return ids[:max_new_tokens], True
+    return ids, False
+
+
 class Trainer:
     def __init__(self, cfg: Config):
         from megatron.core import parallel_state as ps
@@ -88,7 +117,7 @@ class Trainer:
         student_sd = load_hf_state_dict(cfg.model.hf_path)
         steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
         self.student = MegatronPolicy(hf_config, student_sd, cfg, trainable=True, total_steps=steps)
-        self.ref = MegatronPolicy(hf_config, student_sd, cfg, trainable=False) if self.beta_kl > 0 else None
+        self.ref = self._build_ref(hf_config, student_sd) if self.beta_kl > 0 else None
         del student_sd
         self.teacher_policy: Optional[MegatronPolicy] = None
         self.teacher = None
@@ -99,7 +128,7 @@ class Trainer:
         self.sampler = PromptSampler(self.prompts.records, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
                                      batch_size=cfg.train.prompts_per_step)
         self.eval_sets = self._load_eval_sets()
-        self.detector = CollapseDetector()
+        self.detector = CollapseDetector(cfg.train.collapse)
         self.collapse_events = 0
         self.engine = self._build_engine() if self.rank == 0 else None
         self.weight_version = 0
@@ -116,6 +145,22 @@ class Trainer:
             self.resume()
 
     # -- construction --------------------------------------------------------------------------
+
+    def _build_ref(self, hf_config: Any = None, state_dict: Optional[dict[str, torch.Tensor]] = None) -> MegatronPolicy:
+        """pi_ref, the initial student (model.hf_path), frozen. Built at start when algo.beta_kl > 0,
+        otherwise by `_ensure_ref` once beta_kl becomes > 0 (raised by a collapse action, or restored
+        from a checkpoint written after such a raise)."""
+        if hf_config is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(self.cfg.model.hf_path)
+        if state_dict is None:
+            state_dict = load_hf_state_dict(self.cfg.model.hf_path)
+        return MegatronPolicy(hf_config, state_dict, self.cfg, trainable=False)
+
+    def _ensure_ref(self) -> None:
+        if self.beta_kl > 0 and self.ref is None:
+            self.ref = self._build_ref()
 
     def _build_teacher(self) -> None:
         from transformers import AutoConfig
@@ -135,7 +180,7 @@ class Trainer:
             check_eos_compat(self.cfg.model.hf_path, t.hf_path)
             self.teacher_policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path), load_hf_state_dict(t.hf_path),
                                                  replace(self.cfg, model=replace(self.cfg.model, params_dtype="auto")),
-                                                 trainable=False)
+                                                 trainable=False, temperature=1.0)  # the teacher's own distribution
         elif self.rank == 0:
             if t.backend == "hf":
                 from megatron_opd.teacher.hf import HFTeacher
@@ -144,22 +189,39 @@ class Trainer:
                 self.teacher = HFTeacher.from_pretrained(t.hf_path, micro_batch_size=t.micro_batch_size)
             else:
                 from megatron_opd.rollout.base import eos_ids_from
+                from megatron_opd.rollout.server import api_key_from_env
                 from megatron_opd.teacher.sglang import SGLangTeacher
 
                 eos = eos_ids_from(self.cfg.model.hf_path)
                 if t.hf_path is not None:
                     check_eos_compat(self.cfg.model.hf_path, t.hf_path)
-                self.teacher = SGLangTeacher(t.server_url, eos_token_ids=eos, micro_batch_size=t.micro_batch_size)
+                self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
+                                             micro_batch_size=t.micro_batch_size, retries=t.retries,
+                                             api_key=api_key_from_env(t.api_key_env))
+
+    def _launch_teacher_server(self) -> Any:
+        """teacher.backend=sglang without teacher.server_url: serve teacher.hf_path on a free loopback port,
+        with a per-run --api-key (the key of $teacher.api_key_env if set, else a generated one)."""
+        import secrets
+        import socket
+
+        from megatron_opd.rollout.server import ServerProcess, api_key_from_env, sglang_server_cmd
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        key = api_key_from_env(self.cfg.teacher.api_key_env) or secrets.token_hex(24)
+        self._teacher_server = ServerProcess(
+            sglang_server_cmd(self.cfg.teacher.hf_path, "127.0.0.1", port, ["--api-key", key]), port=port,
+            log_path=self.out_dir / "logs" / "sglang_teacher.log", api_key=key).start()
+        return self._teacher_server
 
     def _build_engine(self) -> Any:
-        r = self.cfg.rollout
-        if r.backend == "local":
-            from megatron_opd.rollout.local import LocalEngine
+        """The rollout engine, from rollout.* through the one factory (see rollout/__init__.py)."""
+        from megatron_opd.rollout import make_rollout_engine
 
-            return LocalEngine.from_pretrained(self.cfg.model.hf_path, pad_token_id=self.pad_id)
-        from megatron_opd.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(self.cfg.model.hf_path, mode=r.sglang_mode)
+        return make_rollout_engine(self.cfg.rollout, self.cfg.model.hf_path, pad_token_id=self.pad_id,
+                                   log_path=str(self.out_dir / "logs" / "sglang_rollout.log"))
 
     def _load_eval_sets(self) -> dict[str, Any]:
         from megatron_opd.eval.benchmarks import load_benchmark
@@ -196,10 +258,13 @@ class Trainer:
                 prompt_texts.append(records[s.prompt_index].prompt)
         with_gold = [i for i, r in enumerate(records) if r.has_solution]
         n_gold = golden_count(len(items), cfg.algo.mixture_ratio, len(records)) if with_gold else 0
-        for j in range(n_gold):
-            i = with_gold[j % len(with_gold)]
-            sol = records[i].solution_ids[: cfg.rollout.max_new_tokens]
-            items.append(SequenceItem(records[i].prompt_ids, sol, is_golden=True, prompt_index=i))
+        stop_ids = list(self.engine.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        for j in golden_prompt_picks(len(with_gold), n_gold, self.step):
+            i = with_gold[j]
+            sol, cut = golden_response(records[i].solution_ids, stop_ids, cfg.rollout.max_new_tokens,
+                                       eos_id=eos if isinstance(eos, int) else None)
+            items.append(SequenceItem(records[i].prompt_ids, sol, is_golden=True, truncated=cut, prompt_index=i))
         excess = len(items) % self.dp_size
         golden_idx = [i for i, it in enumerate(items) if it.is_golden]
         if excess > len(golden_idx):
@@ -241,6 +306,34 @@ class Trainer:
                         ids[b, : t_ids.shape[0]], lps[b, : t_lp.shape[0]] = t_ids, t_lp
                 batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
+    def _attach_teacher_topk(self, batch: TrainBatch) -> None:
+        """In-process megatron teacher: its top-k ids / log-probs at the golden rows' response positions
+        (teacher_topk_ids / teacher_topk_logp, zeros elsewhere) for golden_loss=fkl_topk."""
+        algo = self.cfg.algo
+        if not (algo.golden_loss == "fkl_topk" and algo.lambda_gold > 0 and bool(batch.is_golden.any())):
+            return
+        ids, lps = self.teacher_policy.score_topk(batch, self.cfg.teacher.top_k, batch.is_golden,
+                                                  micro_batch_size=self.cfg.train.micro_batch_size)
+        batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
+
+    def _adv_stats(self, mb: TrainBatch, algo: Any) -> tuple[float, float, float]:
+        """(sum, sum of squares, count) of the advantage before whitening over the policy tokens of the
+        whole minibatch, all-reduced over data-parallel ranks: adv_normalize whitens with these, so
+        the result does not depend on train.micro_batch_size or the data-parallel size."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_opd.algo.advantages import compute_advantages, whitening_stats
+
+        finite = [torch.nan_to_num(mb.extras[k], nan=0.0, posinf=0.0, neginf=0.0)  # a NaN skips the step later
+                  for k in ("teacher_logp", "old_logp")]
+        adv, mask = compute_advantages(finite[0], finite[1], mb.response_mask,
+                                       mb.is_golden, mb.truncated, clip=algo.adv_clip, gamma=algo.adv_gamma,
+                                       mask_truncated=algo.mask_truncated)
+        local = whitening_stats(adv, mask)
+        if self.dp_size > 1:
+            dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
+        return float(local[0]), float(local[1]), float(local[2])
+
     def _global_counts(self, mb: TrainBatch, algo: Any) -> dict[str, tuple[float, float]]:
         """Token and sequence counts of each loss term summed over data-parallel ranks, so every rank
         normalises by the whole minibatch (DDP then averages the shares; the loss is scaled by dp)."""
@@ -256,23 +349,32 @@ class Trainer:
             dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
         return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
 
-    def _micro_batches(self, batch: TrainBatch, rows: list[int], ref_rows: Optional[tuple[torch.Tensor, ...]]
-                       ) -> list[TrainBatch]:
+    def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[TrainBatch]:
         """Split a minibatch's rows into train.micro_batch_size micro-batches of one shape (the last
-        padded with masked rows), each carrying its rows' reference logits."""
-        from megatron_opd.trainer.batch import pad_batch
+        padded with masked rows; the length rounded up to `seq_len_multiple` for FP8 / sequence
+        parallel)."""
+        from megatron_opd.trainer.batch import pad_batch, round_up
 
         size = min(self.cfg.train.micro_batch_size, len(rows))
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         parts = [batch.select(c) for c in chunks]
-        length = max(p.tokens.shape[1] for p in parts)
-        out = []
-        for c, part in zip(chunks, parts):
-            part = pad_batch(part, size, length)
-            if ref_rows is not None:
-                part.ref_logits = torch.cat([ref_rows[r] for r in c], 0)
-            out.append(part)
-        return out
+        length = round_up(max(p.tokens.shape[1] for p in parts), self.student.seq_multiple)
+        return [pad_batch(part, size, length) for part in parts]
+
+    def _ref_logits_source(self, micro: list[TrainBatch]):
+        """Reference logits for full-vocabulary KL, one micro-batch at a time (docs/scaling.md).
+
+        PP=1: a callable the student's schedule runs right before each micro-batch's forward (one
+        reference forward of exactly that micro-batch; the [b, S, V/tp] logits live only inside it).
+        PP>1: the loss lives on the last stage and the reference needs its own pipeline pass, which
+        cannot run inside the student's 1F1B schedule: one forward-only pass over this minibatch's
+        micro-batches right before it trains, keeping [N_minibatch, V/tp] in the model's dtype (a
+        bounded per-minibatch cache), each micro-batch's share dropped once its loss is computed."""
+        if self.cfg.parallel.pipeline_model_parallel_size == 1:
+            return self.ref.micro_response_logits
+        for part, logits in zip(micro, self.ref.response_logits_for(micro)):
+            part.ref_logits = logits
+        return None
 
     def _loss_fn(self, mb: TrainBatch, n_micro: int = 1):
         """The loss closure for one minibatch `mb` (all its micro-batches). Every term is normalised by
@@ -284,6 +386,7 @@ class Trainer:
                        loss_agg_constant=self.cfg.algo.loss_agg_constant or float(self.cfg.rollout.max_new_tokens))
         full_kl = self.beta_kl > 0 and algo.kl_estimator == "full"
         counts = self._global_counts(mb, algo)
+        adv_stats = self._adv_stats(mb, algo) if algo.adv_normalize else None
         scale = self.dp_size * n_micro
 
         def loss_fn(logp, resp_logits, batch, logits):
@@ -296,7 +399,7 @@ class Trainer:
                 ref_logp=batch.extras.get("ref_logp"), student_logits=resp_logits if full_kl else None,
                 ref_logits=batch.ref_logits if full_kl else None,
                 teacher_topk_logp=batch.extras.get("teacher_topk_logp"), student_topk_logp=student_topk,
-                reduce=self.student.reduce, global_counts=counts)
+                reduce=self.student.reduce, global_counts=counts, adv_stats=adv_stats)
             for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares -> whole-minibatch values
                 if k in stats:
                     stats[k] *= scale
@@ -309,20 +412,21 @@ class Trainer:
         t0 = time.time()
         payload = _broadcast(self._rollout() if self.rank == 0 else None)
         self._last_payload = payload
+        self._release_engine()
         t_rollout = time.time() - t0
         items = payload["items"]
         per_rank = len(items) // self.dp_size
         rows = list(range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))
-        batch = build_batch([items[i] for i in rows], self.pad_id)
+        batch = build_batch([items[i] for i in rows], self.pad_id, pad_to_multiple=self.student.seq_multiple)
         self._attach_scores(batch, payload, rows)
         mbs = cfg.train.micro_batch_size
         old_logp, _ = self.student.score(batch, micro_batch_size=mbs)
         if self.teacher_policy is not None:
             batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
+            self._attach_teacher_topk(batch)
         full_kl = self.beta_kl > 0 and cfg.algo.kl_estimator == "full"
-        ref_logits = None
-        if self.ref is not None:
-            ref_logp, ref_logits = self.ref.score(batch, want_logits=full_kl, micro_batch_size=mbs)
+        if self.ref is not None:  # token log-probs only; full-KL logits are computed per micro-batch below
+            ref_logp, _ = self.ref.score(batch, micro_batch_size=mbs)
             if ref_logp is not None:
                 batch.extras["ref_logp"] = ref_logp
         if self.is_last_stage:
@@ -335,13 +439,13 @@ class Trainer:
         train_stats: list[dict[str, float]] = []
         n_mb = min(cfg.algo.num_minibatches, batch.batch_size)
         bounds = [round(i * batch.batch_size / n_mb) for i in range(n_mb + 1)]
-        ref_rows = None if ref_logits is None else torch.split(ref_logits, batch.response_mask.sum(1).tolist())
-        for _epoch in range(cfg.algo.ppo_epochs):
+        for _epoch in range(cfg.algo.ppo_epochs):  # full KL recomputes reference logits in every epoch
             for a, b in zip(bounds[:-1], bounds[1:]):
                 rows = list(range(a, b))
-                micro = self._micro_batches(batch, rows, ref_rows)
+                micro = self._micro_batches(batch, rows)
                 loss_fn, want_logits = self._loss_fn(batch.select(rows), len(micro))
-                train_stats.append(self.student.train_minibatch(micro, loss_fn, want_logits))
+                ref_source = self._ref_logits_source(micro) if full_kl else None
+                train_stats.append(self.student.train_minibatch(micro, loss_fn, want_logits, ref_logits=ref_source))
         t_train = time.time() - t1
 
         t2 = time.time()
@@ -356,12 +460,21 @@ class Trainer:
         self.step += 1
         return metrics
 
+    def _release_engine(self) -> None:
+        """Colocated SGLang: free the engine's accelerator memory while the trainer works (resumed by
+        _sync_weights before the next generation)."""
+        from megatron_opd.rollout import release_engine_memory
+
+        if self.rank == 0:
+            release_engine_memory(self.engine, self.cfg.rollout)
+
     def _sync_weights(self) -> None:
-        from megatron_opd.rollout.base import push_weights
+        """New weights to the rollout engine: tensor or distributed path per rollout.colocate (rollout.sync_weights)."""
+        from megatron_opd.rollout import sync_weights
 
         weights = self.student.iter_hf_weights()
         if self.rank == 0:
-            push_weights(self.engine, weights, self.weight_version, bucket_mb=self.cfg.rollout.sync_bucket_mb)
+            sync_weights(self.engine, weights, self.weight_version, self.cfg.rollout, self.cfg.parallel.backend)
         else:
             for _ in weights:
                 pass
@@ -375,10 +488,14 @@ class Trainer:
             adv = None
             if "teacher_logp" in batch.extras:
                 adv = (batch.extras["teacher_logp"] - batch.extras["old_logp"]) * (~batch.is_golden[:, None])
+            lps = {k: batch.extras.get(k) for k in ("old_logp", "teacher_logp", "ref_logp")}
+            finite = all(v is None or bool(torch.isfinite(v[batch.response_mask]).all()) for v in lps.values())
+            if not finite:  # every rank skipped this step's update (train_minibatch); log what is still valid
+                adv, lps = None, {}
             local = rollout_health(batch.response_mask, token_ids=batch.response_ids, truncated=batch.truncated,
-                                   advantages=adv, logp=batch.extras["old_logp"],
-                                   teacher_logp=batch.extras.get("teacher_logp"),
-                                   ref_logp=batch.extras.get("ref_logp"), is_golden=batch.is_golden)
+                                   advantages=adv, logp=lps.get("old_logp"), teacher_logp=lps.get("teacher_logp"),
+                                   ref_logp=lps.get("ref_logp"), is_golden=batch.is_golden)
+            local["health/nonfinite_logp"] = float(not finite)
             keys = sorted({k for s in train_stats for k in s})
             for k in keys:
                 vals = [s[k] for s in train_stats if k in s and s[k] is not None and math.isfinite(s[k])]
@@ -427,31 +544,93 @@ class Trainer:
         out["eval/accuracy"] = sum(accs) / len(accs)
         return out
 
-    def _handle_collapse(self, metrics: dict[str, float]) -> None:
+    # -- collapse actions ----------------------------------------------------------------------
+    #
+    # A verdict of the detector (train.collapse.*) triggers train.collapse_action after the step's metrics
+    # are logged:
+    #   warn           log a warning; `health/collapsed` = 1 in the step's metrics.
+    #   stop           checkpoint the step, raise TrainingStopped (the CLI exits with status 3).
+    #   raise_beta_kl  beta_kl <- max(2 * beta_kl, 0.01) from the next step on (pi_ref is built if it was not),
+    #                  the detector restarts its history; the step's checkpoint carries the new beta_kl.
+    #   rollback       restore the newest checkpoint from before the detector's evidence (step <= current -
+    #                  window - patience + 1; else the oldest kept one; with none, act as raise_beta_kl) and
+    #                  re-train from it with the raised beta_kl. Restored: policy weights and optimizer, step,
+    #                  skipped-step count. Not restored, on purpose: the prompt sampler and the RNGs continue,
+    #                  so the re-trained steps see new prompts rather than replaying the batches that led
+    #                  into the collapse. The weight version keeps increasing (the rollout engine only
+    #                  accepts newer versions; rollouts stay checked against it). The rolled-back state is
+    #                  saved at once under its step (`latest` points at it) and the abandoned newer
+    #                  checkpoints are deleted, so a resume continues the rolled-back run.
+
+    def _handle_collapse(self, metrics: dict[str, float]) -> Optional[str]:
+        """Judge this step: sets metrics['health/collapsed'] and 'health/collapse_events' and returns
+        train.collapse_action when a collapse is detected (applied by `_apply_collapse_action`), else None."""
         verdict = self.detector.update(metrics, step=self.step) if self.rank == 0 else None
-        verdict_flag = _broadcast(bool(verdict.collapsed) if verdict is not None else False)
-        metrics["health/collapsed"] = float(verdict_flag)
-        if not verdict_flag:
-            return
-        self.collapse_events += 1
+        flag, reasons = _broadcast((bool(verdict.collapsed), "; ".join(verdict.reasons)) if verdict is not None
+                                   else (False, ""))
+        metrics["health/collapsed"] = float(flag)
+        if flag:
+            self.collapse_events += 1
+        metrics["health/collapse_events"] = float(self.collapse_events)
+        if not flag:
+            return None
+        self._collapse_reasons = reasons
         action = self.cfg.train.collapse_action
         if self.rank == 0:
-            logger.warning("step %d: length-inflation collapse detected (%s); action=%s", self.step,
-                           "; ".join(verdict.reasons), action)
+            logger.warning("step %d: length-inflation collapse detected (%s); action=%s", self.step, reasons, action)
+        return action
+
+    def _apply_collapse_action(self, action: str) -> bool:
+        """Apply a collapse action; True when the run was rolled back (the step's state is abandoned)."""
+        if action == "warn":
+            return False
         if action == "stop":
             self.save()
-            raise TrainingStopped(f"collapse detected at step {self.step}: {'; '.join(verdict.reasons) if verdict else ''}")
-        if action in ("raise_beta_kl", "rollback"):
-            if action == "rollback" and self.ckpt.latest_step() is not None:
-                self.resume()
-            self.beta_kl = max(2 * self.beta_kl, 0.01)
-            if self.ref is None:
-                from transformers import AutoConfig
-
-                self.ref = MegatronPolicy(AutoConfig.from_pretrained(self.cfg.model.hf_path),
-                                          load_hf_state_dict(self.cfg.model.hf_path), self.cfg, trainable=False)
+            raise TrainingStopped(f"collapse detected at step {self.step}: {getattr(self, '_collapse_reasons', '')}")
+        if action == "rollback":
+            target = self._rollback_target()
+            if target is not None:
+                self._rollback(target)
+                return True
             if self.rank == 0:
-                self.detector.reset()
+                logger.warning("step %d: no checkpoint to roll back to; raising beta_kl instead", self.step)
+        self.beta_kl = max(2 * self.beta_kl, 0.01)
+        self._ensure_ref()
+        self.detector.reset()
+        if self.rank == 0:
+            logger.warning("step %d: beta_kl raised to %g", self.step, self.beta_kl)
+        return False
+
+    def _rollback_target(self) -> Optional[int]:
+        """The newest complete checkpoint from before the detector's evidence, else the oldest kept one."""
+        c = self.cfg.train.collapse
+        steps = [s for s in self.ckpt.steps() if s < self.step] if self.rank == 0 else []
+        before = [s for s in steps if s <= self.step - c.window - c.patience + 1]
+        return _broadcast(before[-1] if before else (steps[0] if steps else None))
+
+    def _rollback(self, target: int) -> None:
+        collapsed_at, beta_at_collapse = self.step, self.beta_kl
+        step, state = self.ckpt.load(target)
+        self.student.load_state_dict(state["policy"])
+        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.beta_kl = max(2 * max(beta_at_collapse, float(state["beta_kl"])), 0.01)
+        self.detector.reset()
+        self._ensure_ref()
+        self._push_restored_weights(int(state["weight_version"]))
+        self.save()  # `latest` -> the rolled-back state, with its raised beta_kl
+        dropped = self.ckpt.discard_after(self.step)
+        if self.rank == 0:
+            logger.warning("step %d: rolled back to the checkpoint of step %d; beta_kl %g -> %g; weight version "
+                           "%d; discarded checkpoints %s", collapsed_at, step, beta_at_collapse, self.beta_kl,
+                           self.weight_version, dropped or "none")
+
+    def _push_restored_weights(self, restored_version: int) -> None:
+        """Push restored weights under a version the engine accepts: the restored one when it is newer than
+        the engine's (a fresh engine on resume: unchanged numbering), else the engine's + 1 (a rollback, or
+        a long-lived server that already holds a later version)."""
+        engine_version = _broadcast(int(getattr(self.engine, "weight_version", 0)) if self.rank == 0 else None)
+        self.weight_version = max(restored_version, engine_version + 1)
+        self._sync_weights()
 
     def train(self, stop_after: Optional[int] = None) -> dict[str, float]:
         """Run to train.steps, or return early after `stop_after` steps of this call (a time-limited
@@ -472,11 +651,17 @@ class Trainer:
                 metrics["train/skipped_steps"] = float(self.skipped_steps)
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                     metrics.update(self.evaluate())
-                self._handle_collapse(metrics)
+                action = self._handle_collapse(metrics)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
                     self.log.log(self.step, metrics)
                 if self.rank == 0 and cfg.logging.sample_every and self.step % cfg.logging.sample_every == 1 % cfg.logging.sample_every:
                     self._log_samples()
+                if action is not None and self._apply_collapse_action(action):  # rolled back: step re-trained
+                    last = metrics
+                    if bar is not None:
+                        bar.n = self.step
+                        bar.refresh()
+                    continue
                 if self.step % cfg.checkpoint.save_every == 0 or self.step in (cfg.train.steps, end):
                     self.save()
                 last = metrics
@@ -504,13 +689,15 @@ class Trainer:
         self.log.close()
         if self.engine is not None:
             self.engine.shutdown()
+        if getattr(self, "_teacher_server", None) is not None:
+            self._teacher_server.shutdown()
 
     # -- checkpoint --------------------------------------------------------------------------------
 
     def save(self) -> None:
         state = {"policy": self.student.state_dict(), "rng": rng_state(), "step": self.step,
                  "weight_version": self.weight_version, "beta_kl": self.beta_kl, "skipped_steps": self.skipped_steps,
-                 "sampler": self.sampler.state_dict()}
+                 "sampler": self.sampler.state_dict(), "collapse_events": self.collapse_events}
         if self.rank == 0:
             state["detector"] = self.detector.state_dict()
         self.ckpt.save(self.step, state, meta={"beta_kl": self.beta_kl})
@@ -518,12 +705,17 @@ class Trainer:
     def resume(self) -> None:
         step, state = self.ckpt.load()
         self.student.load_state_dict(state["policy"])
+        self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
+        self.beta_kl = float(state["beta_kl"])  # may exceed algo.beta_kl after raise_beta_kl / rollback
+        self.collapse_events = int(state.get("collapse_events", 0))
+        self._ensure_ref()  # before the RNGs are restored: building a model may draw from them
         set_rng_state(state["rng"])
-        self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
-        self.beta_kl, self.skipped_steps = float(state["beta_kl"]), int(state["skipped_steps"])
         self.sampler.load_state_dict(state["sampler"])
         if "detector" in state:
-            self.detector.load_state_dict(state["detector"])
-        self._sync_weights()
+            try:
+                self.detector.load_state_dict(state["detector"])
+            except ValueError as e:  # train.collapse windows changed since the checkpoint
+                logger.warning("collapse detector restarts its history: %s", e)
+        self._push_restored_weights(int(state["weight_version"]))
         if self.rank == 0:
             logger.info("resumed from %s at step %d", self.ckpt.root, step)

@@ -13,10 +13,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_opd.config import Config
-from megatron_opd.trainer.batch import TrainBatch, gather_response
+from megatron_opd.trainer.batch import TrainBatch, gather_response, pad_batch, round_up, seq_len_multiple
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+# Response rows per fp32 log-softmax chunk when a frozen model scores: bounds the fp32 temporaries to
+# FROZEN_LOGP_CHUNK x V/tp (~0.3 GB at V=152k) whatever the batch.
+FROZEN_LOGP_CHUNK = 512
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -29,7 +34,7 @@ class MegatronPolicy:
     """A GPTModel shard for this rank with HF weights loaded; trainable (student) or frozen (reference)."""
 
     def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], cfg: Config, *,
-                 trainable: bool, total_steps: int = 1):
+                 trainable: bool, total_steps: int = 1, temperature: Optional[float] = None):
         from megatron.core import parallel_state as ps
 
         from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
@@ -55,16 +60,43 @@ class MegatronPolicy:
         self.reduce = vocab_parallel_reduce(self.tp_group)
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.vocab_size = int(hf_config.vocab_size)
+        # sequence lengths are padded to this (FP8 GEMMs; sequence parallel splits L over TP)
+        self.seq_multiple = seq_len_multiple(cfg.model.fp8, tp_size, cfg.parallel.sequence_parallel)
+        # Log-probs are those of softmax(logits / T), T = rollout.temperature: the distribution the
+        # rollout engine samples from (student, pi_old and the reference; a teacher passes 1.0).
+        self.temperature = float(cfg.rollout.temperature if temperature is None else temperature)
 
     # -- per-token pieces on the last stage ---------------------------------------------------
 
     def _token_logp(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
 
+        if not self.trainable:
+            return self._frozen_token_logp(logits, batch)
         targets = torch.roll(batch.tokens, shifts=-1, dims=1)
-        logp = vocab_parallel_token_logprobs(logits.float() if not self.trainable else logits, targets, self.tp_group,
-                                             vocab_size=self.vocab_size)
+        logp = vocab_parallel_token_logprobs(logits, targets, self.tp_group,
+                                             vocab_size=self.vocab_size, temperature=self.temperature,
+                                             on_nonfinite="return")  # NaN -> every rank skips (train_minibatch)
         return gather_response(logp, batch)
+
+    def _frozen_token_logp(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """fp32 log-probs [B, T] of the response tokens only, for a frozen model (no autograd): the
+        response rows' logits are gathered FROZEN_LOGP_CHUNK rows at a time and upcast chunk by chunk,
+        so neither prompt positions nor a whole fp32 [b, S, V/tp] copy of the logits are materialised."""
+        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
+
+        b_idx, t_idx = batch.response_mask.nonzero(as_tuple=True)
+        pos = batch.response_index[b_idx, t_idx]
+        targets = batch.tokens[b_idx, pos + 1]
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=logits.device)
+        n, c = int(b_idx.numel()), FROZEN_LOGP_CHUNK
+        vals = [vocab_parallel_token_logprobs(logits[b_idx[s:s + c], pos[s:s + c]].float(), targets[s:s + c],
+                                              self.tp_group, vocab_size=self.vocab_size,
+                                              temperature=self.temperature, on_nonfinite="return")
+                for s in range(0, n, c)]
+        if vals:
+            out[b_idx, t_idx] = torch.cat(vals)
+        return out
 
     def response_logits(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked)."""
@@ -72,6 +104,8 @@ class MegatronPolicy:
 
         b_idx, t_idx = batch.response_mask.nonzero(as_tuple=True)
         rows = logits[b_idx, batch.response_index[b_idx, t_idx]]
+        if self.temperature != 1.0:
+            rows = rows / self.temperature
         return mask_vocab_padding(rows, self.vocab_size, self.tp_group)
 
     def topk_logp(self, logits: torch.Tensor, batch: TrainBatch, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -83,16 +117,62 @@ class MegatronPolicy:
         for k in range(topk_ids.shape[-1]):
             targets = torch.zeros((B, L), dtype=torch.long)
             targets.scatter_(1, batch.response_index, topk_ids[..., k] * batch.response_mask)
-            lp = vocab_parallel_token_logprobs(logits, targets, self.tp_group, vocab_size=self.vocab_size)
+            lp = vocab_parallel_token_logprobs(logits, targets, self.tp_group, vocab_size=self.vocab_size,
+                                               temperature=self.temperature, on_nonfinite="return")
             out.append(gather_response(lp, batch))
         return torch.stack(out, dim=-1)
+
+    @torch.no_grad()
+    def score_topk(self, batch: TrainBatch, k: int, rows: torch.Tensor, micro_batch_size: int = 8
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (ids [B, T, k] int64, log-probs [B, T, k] float32) of this policy's full-vocab
+        distribution at the response positions of the sequences flagged in `rows` [B] (zeros
+        elsewhere), sorted by decreasing log-prob; vocab padding ids never appear. Only the selected
+        rows' [n, V/tp] logits are ever converted to fp32. Collective over the TP/PP group; on a
+        non-last pipeline stage the result is all zeros (the loss lives on the last stage)."""
+        from megatron_opd.models.logprobs import forward_backward
+        from megatron_opd.teacher.megatron import vocab_parallel_topk
+
+        B, T = batch.response_mask.shape
+        ids_out = torch.zeros((B, T, k), dtype=torch.long)
+        lp_out = torch.zeros((B, T, k), dtype=torch.float32)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, B, micro_batch_size):
+                sel = list(range(start, min(B, start + micro_batch_size)))
+                mb = batch.select(sel)
+                mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
+                want = mb.response_mask & rows[sel].bool()[:, None]
+
+                def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb, want: torch.Tensor = want,
+                            sel: list[int] = sel):
+                    b_idx, t_idx = want.nonzero(as_tuple=True)
+                    if b_idx.numel():
+                        z = logits[b_idx, mb.response_index[b_idx, t_idx]].float()
+                        if self.temperature != 1.0:
+                            z = z / self.temperature
+                        tid, tlp = vocab_parallel_topk(z, k, self.vocab_size, self.tp_group)
+                        rows_b = torch.as_tensor(sel)[b_idx.cpu()]
+                        ids_out[rows_b, t_idx.cpu()] = tid.cpu()
+                        lp_out[rows_b, t_idx.cpu()] = tlp.cpu()
+                    return logits.new_zeros(()), {}
+
+                forward_backward(self.model, [{"input_ids": mb.tokens, "position_ids": mb.position_ids}], loss_fn,
+                                 forward_only=True)
+        finally:
+            self.model.train(was_training)
+        return ids_out, lp_out
 
     # -- operations ------------------------------------------------------------------------------
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8
               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(logp [B, T], response logits [N, V/tp] or None) on the last stage; (None, None) elsewhere."""
+        """(logp [B, T], response logits [N, V/tp] or None) on the last stage; (None, None) elsewhere.
+
+        Memory: `want_logits` keeps [N, V/tp] in the model's dtype for all N response tokens of
+        `batch`; the trainer asks for it per micro-batch (`response_logits_for`), never per step."""
         from megatron_opd.models.logprobs import forward_backward
 
         was_training = self.model.training
@@ -102,11 +182,12 @@ class MegatronPolicy:
         try:
             for start in range(0, batch.batch_size, micro_batch_size):
                 mb = batch.select(list(range(start, min(batch.batch_size, start + micro_batch_size))))
+                mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
 
                 def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb):
                     logps.append(_pad_t(self._token_logp(logits, mb), batch.response_mask.shape[1]))
-                    if want_logits:
-                        logits_out.append(self.response_logits(logits, mb).float())
+                    if want_logits:  # model dtype: full_kl upcasts chunk by chunk
+                        logits_out.append(self.response_logits(logits, mb))
                     return logits.new_zeros(()), {}
 
                 forward_backward(self.model, [{"input_ids": mb.tokens, "position_ids": mb.position_ids}], loss_fn,
@@ -117,11 +198,52 @@ class MegatronPolicy:
             return None, None
         return torch.cat(logps, 0), (torch.cat(logits_out, 0) if want_logits else None)
 
-    def train_minibatch(self, micro_batches: list[TrainBatch], loss_fn: LossFn, want_logits: bool) -> dict[str, float]:
+    @torch.no_grad()
+    def micro_response_logits(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, V/tp] response logits (model dtype) of one micro-batch, from a direct forward of this
+        whole model (PP=1 only): what the trainer calls inside the student's schedule, right before
+        the student's forward of the same micro-batch. The [b, S, V/tp] logits are freed on return."""
+        from megatron_opd.models.logprobs import forward_logits
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits = forward_logits(self.model, batch.tokens, batch.position_ids)
+            return self.response_logits(logits, batch)
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def response_logits_for(self, micro_batches: list[TrainBatch]) -> list[Optional[torch.Tensor]]:
+        """[N_i, V/tp] response logits (model dtype) of each micro-batch, through one forward-only
+        pipeline pass (any PP); on a non-last stage a list of None."""
+        from megatron_opd.models.logprobs import forward_backward
+
+        out: list[Optional[torch.Tensor]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            def loss_fn(logits: torch.Tensor, mbd: dict):
+                out.append(self.response_logits(logits, mbd["batch"]))
+                return logits.new_zeros(()), {}
+
+            forward_backward(self.model, [{"input_ids": b.tokens, "position_ids": b.position_ids, "batch": b}
+                                          for b in micro_batches], loss_fn, forward_only=True)
+        finally:
+            self.model.train(was_training)
+        return out if self.is_last_stage else [None] * len(micro_batches)
+
+    def train_minibatch(self, micro_batches: list[TrainBatch], loss_fn: LossFn, want_logits: bool,
+                        ref_logits: Optional[Callable[[TrainBatch], torch.Tensor]] = None) -> dict[str, float]:
         """One optimizer step over `micro_batches` (same shape each; gradients accumulate through
         megatron's schedule, which averages the micro-batch losses). A non-finite log-prob, loss or
         gradient skips the update (weights and optimizer state untouched); `update_skipped` and
-        `nonfinite_loss` / `nonfinite_grad` report it. Returns per-micro-batch stats averaged."""
+        `nonfinite_loss` / `nonfinite_grad` report it. Returns per-micro-batch stats averaged.
+
+        `ref_logits(micro_batch)`, if given, is called right before each micro-batch's forward and its
+        result set as `micro_batch.ref_logits`; whichever way they came, a micro-batch's reference
+        logits are dropped from it once its loss is computed (autograd holds them until its backward),
+        so at most one micro-batch's worth is alive at a time."""
         from megatron_opd.models.logprobs import forward_backward
         from megatron_opd.models.optimizer import grads_finite, optimizer_step, zero_grads
 
@@ -133,19 +255,24 @@ class MegatronPolicy:
         def _loss(logits: torch.Tensor, mbd: dict):
             batch: TrainBatch = mbd["batch"]
             logp = self._token_logp(logits, batch)
-            if not bool(torch.isfinite(logp[batch.response_mask]).all()):
+            if not _inputs_finite(logp, batch):
                 per_micro.append({"nonfinite_loss": 1.0})
+                batch.ref_logits = None
                 return 0.0 * logits.sum(), {}
             resp_logits = self.response_logits(logits, batch) if want_logits else None
             loss, terms = loss_fn(logp, resp_logits, batch, logits)
+            batch.ref_logits = None
             if not torch.isfinite(loss):
                 terms = {**terms, "nonfinite_loss": 1.0}
                 loss = 0.0 * logits.sum()
             per_micro.append(terms)
             return loss, {}
 
+        def _prepare(mbd: dict) -> None:
+            mbd["batch"].ref_logits = ref_logits(mbd["batch"])
+
         forward_backward(self.model, [{"input_ids": b.tokens, "position_ids": b.position_ids, "batch": b}
-                                      for b in micro_batches], _loss)
+                                      for b in micro_batches], _loss, prepare=_prepare if ref_logits else None)
         stats = _mean_stats(per_micro)
         if _broadcast_flag(stats.get("nonfinite_loss", 0.0)):
             zero_grads(self.setup)
@@ -245,6 +372,20 @@ def _pad_t(x: torch.Tensor, t: int) -> torch.Tensor:
     if x.shape[1] == t:
         return x
     return torch.nn.functional.pad(x, (0, t - x.shape[1]))
+
+
+def _inputs_finite(logp: torch.Tensor, batch: TrainBatch) -> bool:
+    """Whether the log-probs and every per-token input of the loss (old / teacher / reference
+    log-probs, top-k log-probs in `batch.extras`) are finite at the response positions. A NaN there
+    (e.g. from NaN logits while scoring pi_old) is reported as `nonfinite_loss` and, through
+    `_broadcast_flag`, skips the update on every rank, instead of raising on one rank only."""
+    mask = batch.response_mask
+    if not bool(torch.isfinite(logp[mask]).all()):
+        return False
+    for v in batch.extras.values():
+        if v.is_floating_point() and v.shape[:2] == mask.shape and not bool(torch.isfinite(v[mask]).all()):
+            return False
+    return True
 
 
 def _broadcast_flag(value: float) -> bool:

@@ -10,7 +10,13 @@
 #
 # Knobs (env): PYTHON, TORCHRUN, SRUN, SRUN_ARGS (extra srun options, e.g. "--gres=gpu:8"),
 # SERVER_TIMEOUT (s), POLL_INTERVAL (s), MASTER_ADDR, MASTER_PORT, CHECK_CONFIG=0 (skip the
-# config check before the servers start).
+# config check before the servers start), SGLANG_API_KEY (default: a random key per job).
+#
+# API key: the servers accept weight updates, so each gets --api-key. The key is SGLANG_API_KEY,
+# generated per job from /dev/urandom unless set, exported so the trainer (srun passes the
+# environment on) reads it through rollout.api_key_env / teacher.api_key_env, and never printed: the
+# server command line names "$SGLANG_API_KEY" and a `bash -c` wrapper expands it on the node, so it
+# is in neither this script's output nor srun's command line (it is in the server's own argv there).
 
 DRY_RUN="${DRY_RUN:-0}"
 PYTHON="${PYTHON:-python}"
@@ -128,6 +134,19 @@ check_config() {
         die "config check failed for $config (see the message above)"
 }
 
+# ensure_api_key: SGLANG_API_KEY for this job's servers and trainer (see the header); never echoed.
+ensure_api_key() {
+    if [[ -z "${SGLANG_API_KEY:-}" ]]; then
+        SGLANG_API_KEY=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
+        [[ ${#SGLANG_API_KEY} -eq 64 ]] || die "could not read a random API key from /dev/urandom"
+    fi
+    export SGLANG_API_KEY
+}
+
+# The wrapper that appends --api-key "$SGLANG_API_KEY" on the compute node (argv: WRAP_KEY name CMD...).
+# shellcheck disable=SC2016  # single quotes on purpose: expanded by the wrapper on the node, not here
+WRAP_KEY=(bash -c 'exec "$@" --api-key "$SGLANG_API_KEY"' with-api-key)
+
 # srun_on NODE CUDA_VISIBLE_DEVICES CMD... : the step prefix placing CMD on one node with the given
 # GPUs. --overlap lets servers and trainers share a node; `env` runs after SLURM's own GPU binding,
 # so our CUDA_VISIBLE_DEVICES wins.
@@ -161,9 +180,10 @@ start_sglang() {
         die "$name: a multi-node server must be one replica (tp*pp = $total GPUs), got tp=$tp pp=$pp"
     is_dry_run || [[ -e "$model" ]] ||
         log "warning: $name model '$model' not found on $(hostname) (fine for a hub id or a path mounted only on the compute nodes)"
+    ensure_api_key
     local head=${nodes[0]} i
     for ((i = 0; i < nnodes; i++)); do
-        local -a cmd=("$PYTHON" -m sglang.launch_server --model-path "$model" --host "${nodes[i]}"
+        local -a cmd=("${WRAP_KEY[@]}" "$PYTHON" -m sglang.launch_server --model-path "$model" --host "${nodes[i]}"
             --port "$port" --tp-size "$tp" --dp-size "$dp" --skip-tokenizer-init)
         ((pp > 1)) && cmd+=(--pp-size "$pp")
         ((nnodes > 1)) && cmd+=(--nnodes "$nnodes" --node-rank "$i" --dist-init-addr "$head:$((port + 1000))")
@@ -211,6 +231,14 @@ wait_for_servers() {
     for ((i = 0; i < ${#SERVER_NAMES[@]}; i++)); do
         wait_for_server "${SERVER_NAMES[i]}" "${SERVER_URLS[i]}" "${SERVER_PIDS[i]}" "${SERVER_LOGS[i]}" "$SERVER_TIMEOUT"
     done
+}
+
+# one_replica NAME GPUS TP: the rollout server must be one replica (tp = its GPUs on one node): the
+# trainer's weight group ranks SGLang's side as 1 + tp_rank, so data-parallel replicas would collide.
+one_replica() {
+    local n
+    n=$(gpu_count "$2")
+    ((n == $3)) || die "$1: disaggregated weight sync needs one SGLang replica: set ROLLOUT_TP=$n (the number of ROLLOUT_GPUS), got $3"
 }
 
 # start_training NODES_CSV GPUS OUT_DIR TRAIN_ARGS... : one torchrun per node (static rendezvous on

@@ -1,0 +1,111 @@
+"""megatron_opd/trainer/checkpoint.py: re-saving a step never leaves `latest` dangling, loads fall back
+to a complete checkpoint, pruning orders by step number and never removes what `latest` names."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from megatron_opd.trainer import checkpoint as ck
+from megatron_opd.trainer.checkpoint import CheckpointManager
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((2,), v), "step_tag": v}
+
+
+def _value(mgr: CheckpointManager, step=None) -> float:
+    return float(mgr.load(step)[1]["w"][0])
+
+
+def test_resave_replaces_the_step_and_keeps_latest(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    mgr.save(1, _state(1.0))
+    mgr.save(2, _state(2.0))
+    mgr.save(1, _state(10.0))  # e.g. a rollback re-saving step 1 with new state
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert mgr.latest_step() == 1 and _value(mgr) == 10.0
+    assert _value(mgr, 2) == 2.0
+    assert not list(tmp_path.glob(".old_step_*")) and not list(tmp_path.glob(".tmp_step_*"))
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("phase", ["written", "moved_aside", "renamed"])
+def test_kill_during_resave_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, phase, caplog):
+    """A kill at each point of a re-save of step 1 (simulated by raising out of the test hook) leaves
+    `latest` resolvable to a complete copy of step 1: the old one before the new is in place, else the new."""
+    mgr = CheckpointManager(tmp_path, keep_last=3)
+    mgr.save(1, _state(1.0))
+
+    def die(p, step):
+        if p == phase:
+            raise _Killed
+
+    monkeypatch.setattr(ck, "_pause_for_test", die)
+    with pytest.raises(_Killed):
+        mgr.save(1, _state(10.0))
+    monkeypatch.undo()
+    fresh = CheckpointManager(tmp_path, keep_last=3)
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.checkpoint"):
+        assert fresh.latest_step() == 1
+    assert fresh.steps() == [1]
+    assert _value(fresh) == (10.0 if phase == "renamed" else 1.0)
+    # the next save cleans up whatever the kill left behind
+    fresh.save(2, _state(2.0))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "latest") == ["step_00000001", "step_00000002"]
+
+
+def test_dangling_pointer_falls_back_to_newest_complete_with_warning(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path, keep_last=5)
+    for s in (1, 2, 3):
+        mgr.save(s, _state(float(s)))
+    shutil.rmtree(tmp_path / "step_00000003")
+    (tmp_path / "step_00000002" / "rank0.pt").unlink()  # damaged: meta present, rank file gone
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.checkpoint"):
+        assert mgr.latest_step() == 1
+    assert "step_00000003" in caplog.text and "step 1" in caplog.text
+    assert _value(mgr) == 1.0
+    (tmp_path / "latest").unlink()  # no pointer at all (killed before the first pointer write)
+    assert mgr.latest_step() == 1
+    shutil.rmtree(tmp_path / "step_00000001")
+    (tmp_path / "latest").write_text("step_00000001\n")
+    assert mgr.latest_step() is None  # nothing complete: start fresh rather than crash
+    with pytest.raises(FileNotFoundError):
+        mgr.load()
+
+
+def test_pruning_orders_by_step_number_and_ignores_foreign_names(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    (tmp_path / "step_foo").mkdir(parents=True)
+    (tmp_path / "step_foo" / "keep.txt").write_text("not ours")
+    for s in (99_999_998, 99_999_999, 100_000_000):
+        mgr.save(s, _state(float(s % 7)))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # by name, "step_100000000" < "step_99999999": a name sort would have deleted the newest one
+    assert names == ["latest", "step_100000000", "step_99999999", "step_foo"]
+    assert mgr.steps() == [99_999_999, 100_000_000] and mgr.latest_step() == 100_000_000
+
+
+def test_pruning_never_removes_the_latest_step(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=1)
+    mgr.save(5, _state(5.0))
+    # newer checkpoints left over (e.g. an abandoned trajectory); re-save step 2 and point latest at it
+    mgr.save(2, _state(2.0))
+    assert mgr.latest_step() == 2 and _value(mgr) == 2.0
+    assert (tmp_path / "step_00000002").is_dir()
+    assert mgr.discard_after(2) == [5]
+    assert mgr.steps() == [2]
+
+
+def test_pause_hook_only_fires_for_its_phase_and_step(tmp_path, monkeypatch):
+    monkeypatch.setenv(ck.PAUSE_ENV, "moved_aside:7")  # another step: the re-save of step 1 does not pause
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(1.0))
+    mgr.save(1, _state(1.5))
+    assert _value(mgr) == 1.5

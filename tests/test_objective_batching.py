@@ -1,0 +1,380 @@
+"""Issue 8 section 5: objective and batching bugs.
+
+- golden_loss=fkl_topk with the in-process megatron teacher (top-k from the megatron teacher),
+- rollout temperature applied to the trainer's log-probs; truncated sampling rejected unless opted in,
+- adv_normalize whitens with whole-minibatch statistics (micro-batch / DP independent),
+- non-finite logits on one rank skip the update on every rank,
+- golden samples: spread over the step's prompts, end with the rollout's stop id, truncated when cut.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from megatron_opd.config import ConfigError, load_config
+from megatron_opd.trainer.logger import read_metrics
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
+    from megatron_opd.demo import _tiny_models
+
+    root = tmp_path_factory.mktemp("objective")
+    student, teacher = _tiny_models(root / "models")
+    data = write_builtin_jsonl(root / "data", n_train=24, n_eval=4)
+    return root, student, teacher, data
+
+
+def _overrides(setup, out: Path, preset: str, steps: int, *extra: str) -> list[str]:
+    _root, student, teacher, data = setup
+    return [f"algo.preset={preset}", f"model.hf_path={student}", f"teacher.hf_path={teacher}",
+            f"data.train_path={data['train']}", f"train.steps={steps}", "train.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=12", "optim.lr=1e-3",
+            f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
+            "checkpoint.save_every=100", *extra]
+
+
+def _train(overrides: list[str]):
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+# -- 1. fkl_topk with the megatron teacher ----------------------------------------------------------
+
+
+def test_fkl_topk_golden_loss_with_megatron_teacher_matches_hf_teacher(setup, tmp_path):
+    """teacher.backend=megatron now produces the teacher's top-k for golden rows; the golden loss is
+    finite, positive and equals the HF-teacher run on the same models (rel 1e-4: both teachers are fp32
+    on CPU, they differ only in summation order)."""
+    rows = {}
+    for backend in ("megatron", "hf"):
+        out = tmp_path / backend
+        _train(_overrides(setup, out, "stable_opd", 2, f"teacher.backend={backend}", "algo.golden_loss=fkl_topk",
+                          "teacher.top_k=5"))
+        rows[backend] = read_metrics(out)
+    for rm, rh in zip(rows["megatron"], rows["hf"]):
+        assert rm["rollout/num_golden"] >= 1
+        assert torch.isfinite(torch.tensor(rm["loss/golden_loss"])) and rm["loss/golden_loss"] > 0
+        assert rm["loss/update_skipped"] == 0.0
+        for key in ("loss/golden_loss", "loss/pg_loss", "loss/total_loss", "loss/grad_norm"):
+            assert rm[key] == pytest.approx(rh[key], rel=1e-4, abs=1e-6), (rm["step"], key)
+
+
+def test_megatron_teacher_topk_matches_full_softmax_and_skips_non_golden_rows(setup):
+    """MegatronPolicy.score_topk against a plain log_softmax/topk of the same model's logits."""
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, _overrides(setup, setup[0] / "topk_unit", "stable_opd", 1,
+                                                   "teacher.backend=megatron")))
+    try:
+        batch = build_batch([SequenceItem([5, 6, 7], [8, 9, 2]), SequenceItem([5, 6], [7, 2], is_golden=True)],
+                            trainer.pad_id)
+        ids, lps = trainer.teacher_policy.score_topk(batch, 4, batch.is_golden, micro_batch_size=1)
+        assert ids.shape == (2, 3, 4) and lps.shape == (2, 3, 4)
+        assert (ids[0] == 0).all() and (lps[0] == 0).all()  # not a golden row
+        logp, _ = trainer.teacher_policy.score(batch)
+        # the teacher's log-prob of the golden token is consistent with its top-k log-probs
+        assert int(ids.max()) < trainer.teacher_policy.vocab_size
+        assert (lps[1, :2, 0] >= logp[1, :2] - 1e-5).all()
+        assert (lps[1, :2, :-1] >= lps[1, :2, 1:]).all()  # sorted
+    finally:
+        trainer.close()
+
+
+def test_vocab_parallel_topk_never_returns_padding_ids():
+    from megatron_opd.teacher.megatron import vocab_parallel_topk
+
+    logits = torch.randn(5, 12)
+    logits[:, 10:] = 1e4  # megatron's vocab padding columns, with (garbage) huge values
+    ids, lps = vocab_parallel_topk(logits, 10, 10, None)
+    assert int(ids.max()) < 10 and torch.isfinite(lps).all()
+    torch.testing.assert_close(lps, torch.log_softmax(logits[:, :10], -1).topk(10, -1).values)
+    with pytest.raises(ValueError, match="top_k"):
+        vocab_parallel_topk(logits, 11, 10, None)
+
+
+# -- 2. rollout temperature, truncated sampling ---------------------------------------------------
+
+
+def test_rollout_temperature_applies_to_pi_old(setup, tmp_path):
+    """With rollout.temperature=0.7 the trainer's pi_old on the rollout tokens equals the engine's
+    behaviour log-probs (after temperature); the KL to the reference is 0 at step 1 (both at T)."""
+    out = tmp_path / "t07"
+    _train(_overrides(setup, out, "opd_kl", 1, "teacher.backend=hf", "rollout.temperature=0.7"))
+    row = read_metrics(out)[0]
+    assert row["rollout/engine_trainer_logp_absdiff"] < 1e-3
+    assert row["loss/kl"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_policy_log_probs_use_the_rollout_temperature_teacher_stays_at_one(setup, tmp_path):
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, _overrides(setup, tmp_path / "tunit", "opd_kl", 1, "teacher.backend=megatron",
+                                                   "rollout.temperature=0.5")))
+    try:
+        assert trainer.student.temperature == 0.5 and trainer.ref.temperature == 0.5
+        assert trainer.teacher_policy.temperature == 1.0
+        batch = build_batch([SequenceItem([5, 6, 7], [8, 9, 2])], trainer.pad_id)
+        hot, _ = trainer.student.score(batch)
+        trainer.student.temperature = 1.0
+        cold, _ = trainer.student.score(batch)
+        assert (hot - cold).abs().max() > 1e-3
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("override,key", [("rollout.top_p=0.9", "rollout.top_p"), ("rollout.top_k=20", "rollout.top_k")])
+def test_truncated_sampling_is_rejected_unless_allowed(override, key, caplog):
+    with pytest.raises(ConfigError, match=f"^{key}: .*allow_truncated_sampling"):
+        load_config(None, [override])
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.config"):
+        cfg = load_config(None, [override, "rollout.allow_truncated_sampling=true"])
+    assert cfg.rollout.allow_truncated_sampling
+    assert any(key in r.getMessage() for r in caplog.records)
+    load_config(None, ["rollout.temperature=0.6"])  # temperature alone is reproduced exactly
+
+
+# -- 3. adv_normalize over the whole minibatch ----------------------------------------------------
+
+
+def test_whitening_with_global_stats_equals_whitening_the_union():
+    from megatron_opd.algo.advantages import compute_advantages, whitening_stats
+
+    g = torch.Generator().manual_seed(0)
+    tl, ol = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    gold = torch.tensor([False, False, True, False, False, False])
+    trunc = torch.zeros(6, dtype=torch.bool)
+    whole, m = compute_advantages(tl, ol, mask, gold, trunc, normalize=True)
+    raw, _ = compute_advantages(tl, ol, mask, gold, trunc)
+    stats = tuple(float(v) for v in whitening_stats(raw, m))
+    parts = [compute_advantages(tl[s], ol[s], mask[s], gold[s], trunc[s], normalize=True, norm_stats=stats)[0]
+             for s in (slice(0, 2), slice(2, 3), slice(3, 6))]
+    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=0)
+    local = compute_advantages(tl[:2], ol[:2], mask[:2], gold[:2], trunc[:2], normalize=True)[0]
+    assert (local - whole[:2]).abs().max() > 1e-3  # per-part whitening (the old behaviour) differs
+
+
+def _dist_run(rank, world_size, overrides):
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer.step
+
+
+@pytest.mark.dist
+def test_adv_normalize_dp2_matches_single_process(setup, tmp_path):
+    _root, student, teacher, data = setup
+    base = [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
+            f"data.train_path={data['train']}", "train.steps=1", "train.prompts_per_step=2",
+            "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=10", "optim.lr=1e-3",
+            "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=5",
+            "algo.mixture_ratio=0.34", "algo.adv_normalize=true"]
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert run_distributed(_dist_run, 1, base + [f"logging.out_dir={single}"]) == [1]
+    assert run_distributed(_dist_run, 2, base + [f"logging.out_dir={multi}"]) == [1, 1]
+    a, b = read_metrics(single)[0], read_metrics(multi)[0]
+    for key in ("loss/pg_loss", "loss/total_loss", "loss/grad_norm", "loss/golden_loss"):
+        assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), key
+
+
+# -- 4. KL estimators in the objective -----------------------------------------------------------
+
+
+def test_objective_k3_plus_logs_k3_and_trains_with_the_k2_gradient():
+    from megatron_opd.algo.objective import stable_opd_loss
+    from megatron_opd.config import AlgoConfig
+
+    g = torch.Generator().manual_seed(2)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    base = dict(old_logp=-torch.rand(2, 4, generator=g), teacher_logp=-torch.rand(2, 4, generator=g),
+                ref_logp=-torch.rand(2, 4, generator=g), response_mask=mask,
+                is_golden=torch.zeros(2, dtype=torch.bool), truncated=torch.zeros(2, dtype=torch.bool))
+    logp0 = -torch.rand(2, 4, generator=g, dtype=torch.float64)
+    out = {}
+    for est in ("k2", "k3", "k3+"):
+        logp = logp0.clone().requires_grad_()
+        _, stats = stable_opd_loss(AlgoConfig(beta_kl=1.0, kl_estimator=est, lambda_gold=0.0, clip_eps_low=0.0,
+                                              clip_eps_high=0.0), logp=logp, **base)
+        loss, _ = stable_opd_loss(AlgoConfig(beta_kl=1.0, kl_estimator=est, lambda_gold=0.0), logp=logp, **base)
+        (grad,) = torch.autograd.grad(loss, logp)
+        out[est] = (stats["kl"], grad)
+    assert out["k3+"][0] == pytest.approx(out["k3"][0])
+    torch.testing.assert_close(out["k3+"][1], out["k2"][1])
+
+
+# -- 5. non-finite logits on one rank -------------------------------------------------------------
+
+
+def _nan_rank(rank, world_size, overrides):
+    """DP=2: rank 1's micro-batch hits NaN logits (a poisoned embedding row only rank 1's batch uses), or
+    rank 1's pi_old is NaN; every rank must skip, keep its weights, and then train normally."""
+    from megatron_opd.config import load_config
+    from megatron_opd.models.optimizer import unwrap
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        policy = trainer.student
+        model = unwrap(policy.model)
+        emb = model.embedding.word_embeddings.weight
+        poison = 40  # token id only rank 1's batch contains
+        items = [SequenceItem([5, 6, 7], [8, 9, 2])] if rank == 0 else [SequenceItem([5, poison, 7], [8, 2])]
+        batch = build_batch(items, trainer.pad_id)
+        batch.extras["old_logp"] = torch.zeros(batch.response_mask.shape)
+
+        def loss_fn(logp, _logits, b, _full):
+            return -logp[b.response_mask].sum() / 5.0, {}
+
+        def state():
+            return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+        before = state()
+        saved = emb.data[poison].clone()
+        if rank == 1:
+            emb.data[poison] = float("nan")
+        s1 = policy.train_minibatch([batch], loss_fn, False)
+        emb.data[poison] = saved
+        after1 = state()
+        if rank == 1:
+            batch.extras["old_logp"][0, 0] = float("nan")
+        s2 = policy.train_minibatch([batch], loss_fn, False)
+        batch.extras["old_logp"].zero_()
+        after2 = state()
+        s3 = policy.train_minibatch([batch], loss_fn, False)
+        after3 = state()
+        unchanged = all(torch.equal(after1[k], v) and torch.equal(after2[k], v) for k, v in before.items())
+        moved = any(not torch.equal(after3[k], v) for k, v in before.items())
+
+        # The whole step: rank 1's pi_old scoring gives NaN at step 1 only. Both ranks skip, count it, go on.
+        if rank == 1:
+            real_score = policy.score
+
+            def nan_once(b, *args, **kwargs):
+                del policy.score  # back to the real method after this call
+                lp, lg = real_score(b, *args, **kwargs)
+                lp = lp.clone()
+                lp[0, 0] = float("nan")
+                return lp, lg
+
+            policy.score = nan_once
+        pre = state()
+        trainer.train(stop_after=1)
+        step1_unchanged = all(torch.equal(state()[k], v) for k, v in pre.items())
+        trainer.train(stop_after=1)
+        step2_moved = any(not torch.equal(state()[k], v) for k, v in pre.items())
+        return {"s1": s1, "s2": s2, "s3": s3, "unchanged": unchanged, "moved": moved, "w": state(),
+                "step1_unchanged": step1_unchanged, "step2_moved": step2_moved, "step": trainer.step}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.dist
+def test_nan_logits_on_one_rank_skip_the_update_on_every_rank(setup, tmp_path):
+    _root, student, teacher, data = setup
+    out = tmp_path / "nan"
+    overrides = [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=hf",
+                 f"data.train_path={data['train']}", "algo.preset=opd", "train.steps=2", "optim.lr=1e-2",
+                 "train.prompts_per_step=2", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
+                 "checkpoint.save_every=5", f"logging.out_dir={out}", "logging.progress_bar=false",
+                 "logging.tensorboard=false"]
+    res = run_distributed(_nan_rank, 2, overrides, timeout=300)
+    for r in res:
+        assert r["s1"]["update_skipped"] == 1.0 and r["s1"]["nonfinite_loss"] == 1.0
+        assert r["s2"]["update_skipped"] == 1.0 and r["s2"]["nonfinite_loss"] == 1.0
+        assert r["unchanged"], "a skipped step changed the weights"
+        assert r["s3"]["update_skipped"] == 0.0 and r["moved"], "training did not continue"
+        assert r["step1_unchanged"] and r["step2_moved"] and r["step"] == 2
+    for k, v in res[0]["w"].items():  # replicas still agree
+        torch.testing.assert_close(res[1]["w"][k], v)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["loss/update_skipped"] == 1.0 and rows[0]["train/skipped_steps"] == 1.0
+    assert rows[1]["loss/update_skipped"] == 0.0 and rows[1]["train/skipped_steps"] == 1.0
+
+
+# -- 6. golden samples ---------------------------------------------------------------------------
+
+
+def test_golden_prompt_picks_are_spread_and_rotate():
+    from megatron_opd.trainer.loop import golden_prompt_picks
+
+    assert golden_prompt_picks(4, 2, 0) == [0, 2]
+    assert golden_prompt_picks(4, 2, 1) == [1, 3]
+    assert golden_prompt_picks(3, 6, 0) == [0, 0, 1, 1, 2, 2]
+    seen = {i for step in range(8) for i in golden_prompt_picks(8, 1, step)}
+    assert seen == set(range(8))  # over steps every prompt position gets a golden sample
+    assert golden_prompt_picks(0, 2, 0) == [] and golden_prompt_picks(3, 0, 0) == []
+
+
+def test_golden_response_ends_with_the_stop_id_or_is_truncated():
+    from megatron_opd.trainer.loop import golden_response
+
+    assert golden_response([4, 5, 3], [3, 9], 10, eos_id=3) == ([4, 5, 3], False)  # already a stop id
+    assert golden_response([4, 5, 3], [9], 10, eos_id=3) == ([4, 5, 9], False)  # tokenizer EOS -> engine's
+    assert golden_response([4, 5], [9], 10, eos_id=3) == ([4, 5, 9], False)  # no EOS at all
+    assert golden_response([4, 5, 6, 3], [3], 3, eos_id=3) == ([4, 5, 6], True)  # cut by max_new_tokens
+    assert golden_response([4, 5, 3], [3], 3, eos_id=3) == ([4, 5, 3], False)  # fits exactly
+
+
+class _FakeEngine:
+    eos_token_ids = [7]
+
+    def generate(self, prompts, sp):
+        from megatron_opd.rollout.base import Sample
+
+        return [Sample(prompt_index=i, prompt_ids=list(p), response_ids=[11, 7], logprobs=[-1.0, -1.0],
+                       finish_reason="stop") for i, p in enumerate(prompts) for _ in range(sp.n)]
+
+
+def _fake_trainer(records, max_new_tokens: int, step: int):
+    from megatron_opd.trainer.loop import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg = load_config(None, ["algo.preset=stable_opd", "algo.mixture_ratio=0.34", "rollout.n_samples_per_prompt=1",
+                               f"rollout.max_new_tokens={max_new_tokens}"])
+    t.sampler = SimpleNamespace(next_batch=lambda: records)
+    t.engine, t.teacher, t.step, t.dp_size, t.weight_version = _FakeEngine(), None, step, 1, 0
+    t.tokenizer = SimpleNamespace(eos_token_id=3, decode=lambda ids, skip_special_tokens=True: "x")
+    return t
+
+
+def test_trainer_golden_samples_spread_end_with_stop_id_and_mark_truncation():
+    from megatron_opd.data.prompts import PromptRecord
+
+    records = [PromptRecord(id=str(i), problem="p", prompt="p", prompt_ids=[20 + i], solution="s",
+                            solution_ids=[30 + i] * (2 + i) + [3]) for i in range(4)]
+    picked = []
+    for step in range(2):
+        payload = _fake_trainer(records, 12, step)._rollout()
+        gold = [it for it in payload["items"] if it.is_golden]
+        assert len(gold) == 2
+        picked.append(sorted(it.prompt_index for it in gold))
+        for it in gold:
+            assert it.response_ids[-1] == 7 and not it.truncated  # the engine's stop id, not the tokenizer's 3
+    assert picked == [[0, 2], [1, 3]]  # spread over the prompts and rotating (was [0, 1] every step)
+    payload = _fake_trainer(records, 3, 0)._rollout()
+    gold = {it.prompt_index: it for it in payload["items"] if it.is_golden}
+    assert gold[0].response_ids == [30, 30, 7] and not gold[0].truncated
+    assert gold[2].response_ids == [32, 32, 32] and gold[2].truncated  # cut by max_new_tokens: truncated

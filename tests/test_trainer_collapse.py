@@ -1,0 +1,264 @@
+"""Collapse actions end to end in the trainer (tiny real-architecture models on CPU), each followed by a
+resume, and a SIGKILL of the trainer process in the middle of a checkpoint re-save.
+
+The detector is driven into a verdict through its config (`train.collapse.*`): it watches
+`train/weight_version` as its "length" metric with window = baseline_window = 1 and length_ratio 1.9.
+The version rises by one per step, so the verdict step is known exactly: version v against the first
+one (1) exceeds 1.9x from v = 2 on. After an action resets the detector, the new baseline is the next
+version and v / baseline stays below 1.9, so there is exactly one verdict (with patience 1) per run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_opd.config import load_config
+from megatron_opd.demo import _tiny_models
+from megatron_opd.trainer.logger import read_metrics
+
+TRIGGER = ["train.collapse.length_key=train/weight_version", "train.collapse.length_ratio=1.9",
+           "train.collapse.truncation_jump=null", "train.collapse.repetition_jump=null", "train.collapse.window=1",
+           "train.collapse.baseline_window=1", "train.collapse.min_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
+
+    root = tmp_path_factory.mktemp("collapse")
+    student, teacher = _tiny_models(root / "models")
+    data = write_builtin_jsonl(root / "data", n_train=24, n_eval=4)
+    return root, student, teacher, data
+
+
+def _overrides(setup, out: Path, action: str, steps: int, *extra: str) -> list[str]:
+    _root, student, teacher, data = setup
+    return [
+        "algo.preset=opd", f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=hf",
+        f"data.train_path={data['train']}", f"train.steps={steps}", "train.prompts_per_step=2",
+        "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8", "optim.lr=1e-3",
+        f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
+        "logging.sample_every=0", "checkpoint.save_every=1", "checkpoint.keep_last=3",
+        f"train.collapse_action={action}", "train.collapse.patience=1", *TRIGGER, *extra]
+
+
+def _trainer(setup, out, action, steps, *extra, cls=None):
+    from megatron_opd.trainer.loop import Trainer
+
+    return (cls or Trainer)(load_config(None, _overrides(setup, out, action, steps, *extra)))
+
+
+def _run(trainer, stop_after=None):
+    try:
+        trainer.train(stop_after=stop_after)
+    finally:
+        trainer.close()
+    return trainer
+
+
+def _raw_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / "checkpoints" / f"step_{step:08d}" / "rank0.pt", weights_only=True)["policy"]["model"]
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, v in a.items():
+        torch.testing.assert_close(b[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _assert_same_rows(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in ("rollout/response_len_mean", "loss/pg_loss", "loss/kl", "logp/student_mean", "loss/grad_norm",
+                    "train/beta_kl", "train/weight_version", "health/collapsed"):
+            if key in ra or key in rb:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+
+
+def _kl_logged(row: dict) -> bool:
+    return row.get("loss/kl") is not None and row["loss/kl"] == row["loss/kl"]
+
+
+# -- warn ------------------------------------------------------------------------------------------
+
+
+def test_warn_logs_and_flags_then_resume_keeps_the_detector_history(setup, tmp_path, caplog):
+    out = tmp_path / "warn"
+    with caplog.at_level(logging.WARNING, logger="megatron_opd.trainer"):
+        t = _run(_trainer(setup, out, "warn", 3))
+    assert "collapse detected" in caplog.text and "action=warn" in caplog.text
+    rows = read_metrics(out)
+    assert [r["health/collapsed"] for r in rows] == [0.0, 1.0, 1.0]  # v=2, 3 against the baseline 1
+    assert [r["health/collapse_events"] for r in rows] == [0.0, 1.0, 2.0]
+    assert all(r["train/beta_kl"] == 0.0 for r in rows) and t.beta_kl == 0.0 and t.ref is None
+    resumed = _run(_trainer(setup, out, "warn", 4))
+    row = read_metrics(out)[-1]
+    assert resumed.step == 4 and row["step"] == 4
+    # the restored detector still holds the baseline of step 1: a fresh one could not judge yet
+    assert row["health/collapsed"] == 1.0 and row["health/collapse_events"] == 3.0
+
+
+# -- stop ------------------------------------------------------------------------------------------
+
+
+def test_stop_checkpoints_logs_and_raises_then_resume_continues(setup, tmp_path):
+    from megatron_opd.trainer.loop import TrainingStopped
+
+    out = tmp_path / "stop"
+    t = _trainer(setup, out, "stop", 4)
+    with pytest.raises(TrainingStopped, match="collapse detected at step 2"):
+        _run(t)
+    assert t.step == 2 and t.ckpt.latest_step() == 2
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["health/collapsed"] == 1.0  # the stopping step is logged
+    # the user looks at the run, then continues it (here: only warning from now on)
+    resumed = _run(_trainer(setup, out, "warn", 3))
+    assert resumed.step == 3 and [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert read_metrics(out)[-1]["train/weight_version"] == 3.0
+
+
+# -- raise_beta_kl ---------------------------------------------------------------------------------
+
+
+def test_raise_beta_kl_builds_the_reference_and_a_resume_keeps_it(setup, tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    t = _run(_trainer(setup, full, "raise_beta_kl", 3))
+    rows = read_metrics(full)
+    assert [r["health/collapsed"] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["train/beta_kl"] for r in rows] == [0.0, 0.0, 0.01]  # raised after step 2, used from step 3
+    assert t.ref is not None and not _kl_logged(rows[0]) and rows[2]["loss/kl"] > 0
+    assert json.loads((full / "checkpoints" / "step_00000002" / "meta.json").read_text())["beta_kl"] == 0.01
+    # stop right after the raise, resume in a new trainer whose config still says beta_kl = 0
+    _run(_trainer(setup, part, "raise_beta_kl", 3), stop_after=2)
+    resumed = _trainer(setup, part, "raise_beta_kl", 3)
+    assert resumed.cfg.algo.beta_kl == 0.0 and resumed.beta_kl == 0.01 and resumed.ref is not None
+    _run(resumed)
+    _assert_same_rows(rows, read_metrics(part))
+    _assert_same_weights(_weights(full, 3), _weights(part, 3))
+
+
+# -- rollback --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rollback_run(setup, tmp_path_factory):
+    """An uninterrupted rollback run: with patience 2 the verdict comes at step 3 (versions 2 and 3 both
+    above 1.9x the baseline), so the rollback target is step 3 - window - patience + 1 = 1 and the
+    checkpoint of step 2 belongs to the abandoned trajectory."""
+    from megatron_opd.trainer.loop import Trainer
+
+    class Spy(Trainer):
+        def _rollback(self, target):
+            self.spy_target = target
+            self.spy_checkpoint = _weights(self.ckpt.root.parent, target)
+            self.spy_dirs_before = sorted(p.name for p in self.ckpt.root.glob("step_*"))
+            super()._rollback(target)
+            self.spy_restored = {k: v.clone() for k, v in self.student.state_dict()["model"].items()}
+            self.spy_dirs_after = sorted(p.name for p in self.ckpt.root.glob("step_*"))
+
+    out = tmp_path_factory.mktemp("rollback") / "run"
+    t = _run(_trainer(setup, out, "rollback", 4, "train.collapse.patience=2", cls=Spy))
+    return out, t
+
+
+def test_rollback_restores_the_checkpoint_and_continues_with_fresh_versions(setup, rollback_run):
+    out, t = rollback_run
+    raw = _raw_rows(out)
+    assert [r["step"] for r in raw] == [1, 2, 3, 2, 3, 4]
+    assert [r["health/collapsed"] for r in raw] == [0, 0, 1, 0, 0, 0]
+    # versions pushed to the engine only ever increase (the rollback pushed version 4)
+    assert [r["train/weight_version"] for r in raw] == [1, 2, 3, 5, 6, 7]
+    assert [r["train/beta_kl"] for r in raw] == [0, 0, 0, 0.01, 0.01, 0.01]
+    assert not any(_kl_logged(r) for r in raw[:3]) and all(r["loss/kl"] > 0 for r in raw[4:])
+    # rollouts after the rollback come from the restored weights held by the engine
+    assert all(r["rollout/engine_trainer_logp_absdiff"] < 1e-3 for r in raw)
+    assert t.spy_target == 1
+    _assert_same_weights(t.spy_checkpoint, t.spy_restored)
+    assert t.spy_dirs_before == ["step_00000001", "step_00000002"]
+    assert t.spy_dirs_after == ["step_00000001"]  # the abandoned step 2 is gone, latest -> 1
+    assert t.step == 4 and t.ref is not None
+    assert json.loads((out / "checkpoints" / "step_00000004" / "meta.json").read_text())["beta_kl"] == 0.01
+    # resume after the rollback: the raised beta_kl and the reference come back, versions keep rising
+    resumed = _run(_trainer(setup, out, "rollback", 5, "train.collapse.patience=2"))
+    row = read_metrics(out)[-1]
+    assert resumed.step == 5 and resumed.ref is not None
+    assert row["step"] == 5 and row["train/beta_kl"] == 0.01 and row["loss/kl"] > 0
+    assert row["train/weight_version"] == 8.0
+
+
+_DRIVER = """
+import json, sys
+from megatron_opd.config import load_config
+from megatron_opd.trainer.loop import Trainer
+
+trainer = Trainer(load_config(None, json.loads(sys.argv[1])))
+try:
+    trainer.train()
+finally:
+    trainer.close()
+"""
+
+
+@pytest.mark.parametrize("patience", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sigkill_during_a_checkpoint_resave_then_resume_matches_the_uninterrupted_run(setup, tmp_path, patience):
+    """The rollback re-saves the checkpoint of step 1; the trainer process is SIGKILLed after the old copy
+    was moved aside and before the new one is in place. patience=1: the verdict comes at step 2, `latest`
+    names step 1, so the kill leaves it naming a missing directory and the new process resumes from the
+    aside copy. patience=2: the verdict comes at step 3 and `latest` still names step 2, so the new process
+    redoes step 3, and its rollback finds step 1 only as the aside copy. Either way it ends exactly where
+    an uninterrupted run ends."""
+    from megatron_opd.trainer import checkpoint as ck
+
+    extra = f"train.collapse.patience={patience}"
+    ref_out = tmp_path / "uninterrupted"
+    _run(_trainer(setup, ref_out, "rollback", 4, extra))
+    out = tmp_path / "killed"
+    args = json.dumps(_overrides(setup, out, "rollback", 4, extra))
+    marker = tmp_path / "paused"
+    env = {k: v for k, v in os.environ.items()  # this process's rendezvous port is taken: let the child pick
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({ck.PAUSE_ENV: "moved_aside:1", ck.PAUSE_FILE_ENV: str(marker),
+                "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "the trainer never reached the re-save"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{patience:08d}"
+    assert not (ckpts / "step_00000001").exists() and (ckpts / ".old_step_00000001").is_dir()
+
+    env.pop(ck.PAUSE_ENV)
+    done = subprocess.run([sys.executable, "-c", _DRIVER, args], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if patience == 1:  # the fallback to the aside copy was announced
+        assert "names 'step_00000001', which is missing or incomplete" in done.stderr, done.stderr[-4000:]
+    assert "rolled back to the checkpoint of step 1" in done.stderr
+    _assert_same_rows(read_metrics(ref_out), read_metrics(out))
+    _assert_same_weights(_weights(ref_out, 4), _weights(out, 4))
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002", "step_00000003", "step_00000004"]
