@@ -7,12 +7,14 @@ mistake (unknown key, wrong type, inconsistent values) to fail with one message 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlparse
 
 import yaml
 
@@ -58,6 +60,10 @@ class TeacherConfig:
     micro_batch_size: int = 8
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
     retries: int = 4  # SGLang teacher by URL: retries (exponential backoff) on connection errors / HTTP 5xx
+    # Extra SGLang ServerArgs for a teacher server the trainer launches (no teacher.server_url), e.g.
+    # {tp_size: 2} or, on a CPU machine, {device: cpu, attention_backend: torch_native, dtype: float32,
+    # disable_cuda_graph: true, mem_fraction_static: 0.05}; passed as --key-with-dashes value (true: bare flag).
+    sglang_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +88,11 @@ class RolloutConfig:
     colocate: bool = True
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
     weight_sync_timeout: float = 600.0  # s; bound on each weight-group rendezvous / broadcast (refusal -> error)
+    # Extra SGLang ServerArgs for an engine / server the trainer starts (not used with rollout.server_url):
+    # sglang.Engine keyword arguments in engine mode, --key-with-dashes value in server mode (true: bare flag).
+    # E.g. {tp_size: 2}; on a CPU machine {device: cpu, attention_backend: torch_native, dtype: float32,
+    # disable_cuda_graph: true}. rollout.mem_fraction_static is passed separately.
+    sglang_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,6 +178,7 @@ class TrainConfig:
     seed: int = 42
     eval_every: int = 0
     collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"
+    max_rollbacks: int = 3  # collapse_action=rollback: one more collapse after this many stops the run
     # the collapse detector's thresholds and windows (megatron_opd/metrics/collapse.py documents each rule)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
 
@@ -235,7 +247,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
+        # dotted overrides into a mapping (rollout.sglang_args.tp_size=2) arrive as _RawOverride values
+        return {k: (v.parsed if isinstance(v, _RawOverride) else v) for k, v in value.items()}
     if tp is Any:
         return value
     if tp is bool:
@@ -335,8 +348,11 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     out = dict(a)
     for k, v in b.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+        prev = out.get(k)
+        if isinstance(prev, _RawOverride) and isinstance(prev.parsed, dict) and isinstance(v, dict):
+            prev = prev.parsed  # `x={a: 1}` then `x.b=2`: both keys
+        if isinstance(v, dict) and isinstance(prev, dict):
+            out[k] = _deep_merge(prev, v)
         else:
             out[k] = v
     return out
@@ -415,8 +431,6 @@ def validate(cfg: Config) -> None:
                "and the reference KL would be computed for a policy other than the behaviour policy")
         need(r.allow_truncated_sampling, truncated[0].split("=")[0],
              f"{msg}. Use top_p=1.0 and top_k=-1, or set rollout.allow_truncated_sampling=true to accept the mismatch")
-        import logging
-
         logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
@@ -443,6 +457,7 @@ def validate(cfg: Config) -> None:
     need(t.steps >= 0, "train.steps", f"must be >= 0, got {t.steps}")
     need(t.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    need(t.max_rollbacks >= 0, "train.max_rollbacks", f"must be >= 0, got {t.max_rollbacks}")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(cfg.checkpoint.save_every >= 1, "checkpoint.save_every", "must be >= 1")
     need(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
@@ -455,14 +470,22 @@ def validate(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e).replace("CollapseConfig.", "train.collapse.", 1)) from None
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
-    if cfg.rollout.backend == "sglang" and r.sglang_mode == "server":
-        pass  # server_url may be filled in by the launcher
+    if r.backend == "sglang" and r.colocate and r.server_url is not None:
+        host = urlparse(r.server_url).hostname
+        need(host in ("127.0.0.1", "localhost", "::1"), "rollout.colocate",
+             f"true syncs weights as same-machine tensor handles, but rollout.server_url={r.server_url!r} is on "
+             "another host: set rollout.colocate=false (weights over init_weights_update_group)")
     for key, url in (("rollout.server_url", r.server_url), ("teacher.server_url", cfg.teacher.server_url)):
         need(url is None or url.startswith(("http://", "https://")), key, f"must be an http(s):// URL, got {url!r}")
     for key, var in (("rollout.api_key_env", r.api_key_env), ("teacher.api_key_env", cfg.teacher.api_key_env)):
         need(var == "" or (var.replace("_", "a").isalnum() and var.isascii() and not var[0].isdigit()), key,
              f"must name an environment variable (or be empty for no key), got {var!r}; keys are never put in configs")
     need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout", f"must be > 0 seconds, got {r.weight_sync_timeout}")
+    for key, args in (("rollout.sglang_args", r.sglang_args), ("teacher.sglang_args", cfg.teacher.sglang_args)):
+        bad = [k for k in args if not (isinstance(k, str) and k.replace("_", "a").isalnum())]
+        need(not bad, key, f"keys must be SGLang ServerArgs names (e.g. tp_size), got {bad}")
+        need("mem_fraction_static" not in args or key.startswith("teacher"), key,
+             "set rollout.mem_fraction_static instead of rollout.sglang_args.mem_fraction_static")
     need(cfg.teacher.retries >= 0, "teacher.retries", f"must be >= 0, got {cfg.teacher.retries}")
     if cfg.teacher.backend == "sglang":
         need(cfg.teacher.server_url is not None or cfg.teacher.hf_path is not None, "teacher.server_url",

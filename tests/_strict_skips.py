@@ -55,6 +55,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                            f"(allowed skip reasons: {sorted(ALLOWED_SKIPS)}; see tests/_strict_skips.py)")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A module-level skip (`importorskip` at import time, `allow_module_level=True`) drops a whole file."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped:
+        return
+    reason = _reason(report)
+    ok = allowed(reason)
+    _skipped.append((report.nodeid, reason, ok))
+    if strict() and not ok:
+        report.outcome = "failed"
+        report.longrepr = f"module skipped under {STRICT_ENV}=1, and its dependency is one CI installs: {reason}"
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     tr = terminalreporter
     tr.section("skipped tests and why")

@@ -28,7 +28,7 @@ def test_resave_replaces_the_step_and_keeps_latest(tmp_path):
     mgr.save(1, _state(10.0))  # e.g. a rollback re-saving step 1 with new state
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
     assert mgr.latest_step() == 1 and _value(mgr) == 10.0
-    assert _value(mgr, 2) == 2.0
+    assert mgr.steps() == [1]  # step 2 lies beyond `latest`: abandoned, never resumed, pruned
     assert not list(tmp_path.glob(".old_step_*")) and not list(tmp_path.glob(".tmp_step_*"))
 
 
@@ -95,12 +95,22 @@ def test_pruning_orders_by_step_number_and_ignores_foreign_names(tmp_path):
 def test_pruning_never_removes_the_latest_step(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(5, _state(5.0))
-    # newer checkpoints left over (e.g. an abandoned trajectory); re-save step 2 and point latest at it
+    # a newer checkpoint left over (e.g. an abandoned trajectory); re-save step 2 and point latest at it
     mgr.save(2, _state(2.0))
     assert mgr.latest_step() == 2 and _value(mgr) == 2.0
-    assert (tmp_path / "step_00000002").is_dir()
-    assert mgr.discard_after(2) == [5]
-    assert mgr.steps() == [2]
+    assert mgr.steps() == [2]  # the abandoned step 5 is gone, the pointed-at step 2 kept
+
+
+def test_rollback_save_keeps_older_checkpoints_and_drops_abandoned_ones(tmp_path):
+    """keep_last counts only checkpoints a resume can reach: re-saving step 6 out of {4, 6, 8, 10} (a
+    rollback) keeps 4 and 6 and drops 8 and 10; counting the abandoned ones would have deleted 4."""
+    mgr = CheckpointManager(tmp_path, keep_last=4)
+    for s in (4, 6, 8, 10):
+        mgr.save(s, _state(float(s)))
+    mgr.keep_last = 2
+    mgr.save(6, _state(6.5))
+    assert mgr.latest_step() == 6 and _value(mgr) == 6.5
+    assert mgr.steps() == [4, 6]
 
 
 def test_pause_hook_only_fires_for_its_phase_and_step(tmp_path, monkeypatch):

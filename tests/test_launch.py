@@ -347,7 +347,8 @@ import json, os, sys
 rank = next(a.split("=")[1] for a in sys.argv if a.startswith("--node_rank="))
 with open(os.path.join(os.environ["FAKE_LOG"], f"torchrun_{{rank}}.json"), "w") as f:
     json.dump({{"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-               "api_key": os.environ.get("SGLANG_API_KEY")}}, f)
+               "api_key": os.environ.get("SGLANG_API_KEY"),
+               "sync_addr": os.environ.get("MEGATRON_OPD_WEIGHT_SYNC_ADDR")}}, f)
 sys.exit(int(os.environ.get("FAKE_TORCHRUN_RC", "0")))
 '''
 
@@ -404,6 +405,7 @@ def test_real_run_waits_for_servers_and_cleans_up(fake_cluster):
     assert "rollout server ready" in res.stderr and "teacher server ready" in res.stderr
     ran = json.loads((log / "torchrun_0.json").read_text())
     assert ran["cuda"] == "0,1,2,3"
+    assert ran["sync_addr"] == "127.0.0.1"  # the first training node: where the rollout server finds rank 0
     _, cfg = _train_config(ran["argv"])
     assert cfg.rollout.server_url == f"http://127.0.0.1:{rport}" and cfg.train.steps == 3
     assert cfg.teacher.server_url == f"http://127.0.0.1:{tport}"

@@ -17,19 +17,14 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _tiny import tiny_setup, train_to_end
 from megatron_opd.config import ConfigError, load_config
 from megatron_opd.trainer.logger import read_metrics
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
-    from megatron_opd.demo import _tiny_models
-
-    root = tmp_path_factory.mktemp("objective")
-    student, teacher = _tiny_models(root / "models")
-    data = write_builtin_jsonl(root / "data", n_train=24, n_eval=4)
-    return root, student, teacher, data
+    return tiny_setup(tmp_path_factory.mktemp("objective"))
 
 
 def _overrides(setup, out: Path, preset: str, steps: int, *extra: str) -> list[str]:
@@ -170,18 +165,6 @@ def test_whitening_with_global_stats_equals_whitening_the_union():
     assert (local - whole[:2]).abs().max() > 1e-3  # per-part whitening (the old behaviour) differs
 
 
-def _dist_run(rank, world_size, overrides):
-    from megatron_opd.config import load_config
-    from megatron_opd.trainer.loop import Trainer
-
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer.step
-
-
 @pytest.mark.dist
 def test_adv_normalize_dp2_matches_single_process(setup, tmp_path):
     _root, student, teacher, data = setup
@@ -191,8 +174,8 @@ def test_adv_normalize_dp2_matches_single_process(setup, tmp_path):
             "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=5",
             "algo.mixture_ratio=0.34", "algo.adv_normalize=true"]
     single, multi = tmp_path / "single", tmp_path / "multi"
-    assert run_distributed(_dist_run, 1, base + [f"logging.out_dir={single}"]) == [1]
-    assert run_distributed(_dist_run, 2, base + [f"logging.out_dir={multi}"]) == [1, 1]
+    assert run_distributed(train_to_end, 1, base + [f"logging.out_dir={single}"]) == [1]
+    assert run_distributed(train_to_end, 2, base + [f"logging.out_dir={multi}"]) == [1, 1]
     a, b = read_metrics(single)[0], read_metrics(multi)[0]
     for key in ("loss/pg_loss", "loss/total_loss", "loss/grad_norm", "loss/golden_loss"):
         assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), key

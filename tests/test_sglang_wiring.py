@@ -349,6 +349,21 @@ def test_config_keys_for_sglang_wiring():
             load_config(None, [override])
 
 
+def test_colocate_with_a_remote_server_is_refused_and_attached_servers_never_released(monkeypatch):
+    """Tensor sync sends same-machine handles: colocate=true with a server on another host is a config
+    error; and an attached server (not started by us, maybe without --enable-memory-saver) is never
+    asked to release its memory, even on CUDA."""
+    remote = ["rollout.backend=sglang", "rollout.sglang_mode=server", "rollout.server_url=http://gpu-a17:30000"]
+    with pytest.raises(ConfigError, match="rollout.colocate"):
+        load_config(None, remote)
+    assert not load_config(None, remote + ["rollout.colocate=false"]).rollout.colocate
+    assert load_config(None, remote[:2] + ["rollout.server_url=http://127.0.0.1:30000"]).rollout.colocate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(None, remote[:2] + ["rollout.server_url=http://127.0.0.1:9"])
+    eng = make_rollout_engine(cfg.rollout, "unused-model-path", eos_token_ids=[2])
+    assert eng.memory_saver is False and not release_engine_memory(eng, cfg.rollout)
+
+
 def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
     """teacher.backend=sglang without teacher.server_url: the trainer serves teacher.hf_path itself, with a
     generated --api-key its client sends. sglang cannot run here, so `sglang_server_cmd` is swapped for
@@ -434,3 +449,30 @@ def test_trainer_end_to_end_against_stand_in_server(standin, tmp_path, monkeypat
     got = _received(srv)
     assert got and set(got) <= set(load_hf_state_dict(student))
     assert [r["train/weight_version"] for r in read_metrics(out)] == [1.0, 2.0]
+
+
+def test_timeout_is_an_error_at_once_not_retried():
+    """A request that outlives its timeout is not resent (the server may still be busy with it):
+    one request reaches the server, and the error comes after ~timeout, not retries x timeout."""
+    from megatron_opd.rollout.server import http_json_retry
+
+    seen = []
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            seen.append(self.path)
+            time.sleep(3.0)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/generate"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerError, match=r"no answer within 0.5 s \(not retried\)"):
+            http_json_retry(url, {"x": 1}, timeout=0.5, retries=3, backoff=0.01)
+    finally:
+        srv.shutdown()
+    assert time.monotonic() - t0 < 2.5 and seen == ["/generate"]

@@ -28,9 +28,22 @@ def test_xfail():
 '''
 
 
-def _run(tmp_path: Path, strict: bool) -> subprocess.CompletedProcess:
+MODULE_SKIP = '''
+import pytest
+
+pytest.importorskip("another_missing_pkg_xyz")
+
+
+def test_never_collected():
+    assert False
+'''
+
+
+def _run(tmp_path: Path, strict: bool, module_skip: bool = False) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["_strict_skips"]\n')
     (tmp_path / "test_suite.py").write_text(SUITE)
+    if module_skip:
+        (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "MEGATRON_OPD_STRICT_SKIPS": "1" if strict else "0"}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
@@ -47,7 +60,14 @@ def test_strict_mode_fails_disallowed_skip(tmp_path):
 
 
 def test_lenient_mode_lists_skips(tmp_path):
-    r = _run(tmp_path, strict=False)
+    r = _run(tmp_path, strict=False, module_skip=True)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert "2 skipped" in out and "would fail in CI" in out, out
+    assert "3 skipped" in out and "would fail in CI" in out and "another_missing_pkg_xyz" in out, out
+
+
+def test_strict_mode_fails_a_module_level_skip(tmp_path):
+    r = _run(tmp_path, strict=True, module_skip=True)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "module skipped under MEGATRON_OPD_STRICT_SKIPS=1" in out, out
+    assert "another_missing_pkg_xyz" in out

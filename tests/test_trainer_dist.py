@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from _dist import run_distributed
+from _tiny import tiny_setup, train_to_end
 from megatron_opd.trainer.logger import read_metrics
 
 KEYS = ("rollout/response_len_mean", "loss/pg_loss", "loss/kl", "loss/golden_loss", "logp/student_mean",
@@ -21,26 +22,10 @@ def _overrides(student, teacher, data, out, tp):
             "algo.mixture_ratio=0.34"]  # 4 rollouts + 2 golden: splits evenly over 2 data-parallel ranks
 
 
-def _run(rank, world_size, overrides):
-    from megatron_opd.config import load_config
-    from megatron_opd.trainer.loop import Trainer
-
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return trainer.step
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
-    from megatron_opd.demo import _tiny_models
-
-    root = tmp_path_factory.mktemp("dist")
-    student, teacher = _tiny_models(root / "models")
-    return root, student, teacher, write_builtin_jsonl(root / "data", n_train=16, n_eval=2)["train"]
+    root, student, teacher, data = tiny_setup(tmp_path_factory.mktemp("dist"), n_train=16, n_eval=2)
+    return root, student, teacher, data["train"]
 
 
 @pytest.mark.dist
@@ -48,9 +33,9 @@ def models(tmp_path_factory):
 def test_two_rank_training_matches_single_process(models, tmp_path, tp):
     root, student, teacher, data = models
     single = tmp_path / "single"
-    assert run_distributed(_run, 1, _overrides(student, teacher, data, single, 1)) == [2]
+    assert run_distributed(train_to_end, 1, _overrides(student, teacher, data, single, 1)) == [2]
     multi = tmp_path / f"multi_tp{tp}"
-    assert run_distributed(_run, 2, _overrides(student, teacher, data, multi, tp)) == [2, 2]
+    assert run_distributed(train_to_end, 2, _overrides(student, teacher, data, multi, tp)) == [2, 2]
     a, b = read_metrics(single), read_metrics(multi)
     assert [r["step"] for r in b] == [1, 2]
     # with DP, per-token means (logp/*) are averaged over ranks' halves, so only the losses, the gradient
@@ -61,3 +46,63 @@ def test_two_rank_training_matches_single_process(models, tmp_path, tp):
         for key in keys:
             assert rb[key] == pytest.approx(ra[key], rel=2e-4, abs=1e-6), (ra["step"], key)
     assert (multi / "checkpoints" / "step_00000002" / "rank1.pt").is_file()
+
+
+def _control_collectives_and_rank0_resume(rank, world_size, overrides):
+    """Two trainers in a row on 2 ranks: the first saves step 1, the second resumes it. Every all_reduce
+    the project's own code issues must use a gloo host group (NCCL refuses the CPU tensors they carry),
+    and only rank 0 may read the checkpoint pointer."""
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_opd.config import load_config
+    from megatron_opd.models import parallel
+    from megatron_opd.trainer.checkpoint import CheckpointManager
+    from megatron_opd.trainer.loop import Trainer
+
+    bad: list[str] = []
+    ours = [0]
+    all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        caller = sys._getframe(1)
+        if caller.f_globals.get("__name__", "").startswith("megatron_opd"):
+            ours[0] += 1
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            if group is None or group not in (parallel.host_group("world"), parallel.host_group("dp")):
+                bad.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        first = Trainer(load_config(None, overrides))
+        try:
+            first.train(stop_after=1)
+        finally:
+            first.close()
+        if rank == 1:
+            def refuse(self):
+                raise AssertionError("rank 1 read the checkpoint pointer itself")
+            CheckpointManager.latest_step = refuse
+        second = Trainer(load_config(None, overrides))
+        try:
+            resumed_at = second.step
+            second.train()
+        finally:
+            second.close()
+    finally:
+        dist.all_reduce = all_reduce
+    return bad, ours[0], resumed_at, second.step
+
+
+@pytest.mark.dist
+def test_control_collectives_use_gloo_host_groups_and_rank0_decides_resume(models, tmp_path):
+    root, student, teacher, data = models
+    overrides = _overrides(student, teacher, data, tmp_path / "run", 1) + [
+        "checkpoint.save_every=1", "algo.adv_normalize=true"]
+    results = run_distributed(_control_collectives_and_rank0_resume, 2, overrides)
+    for bad, ours, resumed_at, final in results:
+        assert ours > 0, "the spy saw none of the trainer's collectives"
+        assert bad == [], f"collectives outside the gloo host groups: {bad}"
+        assert (resumed_at, final) == (1, 2)

@@ -9,19 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from _tiny import tiny_setup
 from megatron_opd.config import load_config
-from megatron_opd.demo import _tiny_models
 from megatron_opd.trainer.logger import read_metrics
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
-
-    root = tmp_path_factory.mktemp("e2e")
-    student, teacher = _tiny_models(root / "models")
-    data = write_builtin_jsonl(root / "data", n_train=24, n_eval=4)
-    return root, student, teacher, data
+    return tiny_setup(tmp_path_factory.mktemp("e2e"))
 
 
 def _cfg(setup, out: Path, preset: str, steps: int, *extra: str):

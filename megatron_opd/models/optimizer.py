@@ -132,9 +132,11 @@ def grads_finite(setup: TrainingSetup) -> bool:
 
     ok = all(bool(torch.isfinite(g).all()) for p in setup.model.parameters()
              if (g := getattr(p, "main_grad", None)) is not None)
+    from megatron_opd.models.parallel import host_group
+
     flag = torch.tensor([1.0 if ok else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group("world"))
     return bool(flag.item() > 0)
 
 

@@ -92,8 +92,31 @@ def init_parallel(
             distributed_timeout_minutes=timeout_minutes,
             create_gloo_process_groups=True,
         )
+    if "world" not in _HOST_GROUPS:  # every rank gets here: new_group is collective
+        _HOST_GROUPS["world"] = dist.new_group(backend="gloo") if world > 1 else None
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+_HOST_GROUPS: dict[str, Optional[dist.ProcessGroup]] = {}
+
+
+def host_group(kind: Literal["world", "dp"]) -> Optional[dist.ProcessGroup]:
+    """A gloo group for the trainer's small collectives on CPU tensors (skip flags, token counts,
+    advantage statistics). NCCL refuses CPU tensors, so these must never go to the default or the
+    NCCL data-parallel group on a GPU cluster; gloo groups over the same ranks are made up front.
+    None when the group has one rank (callers skip the collective)."""
+    from megatron.core import parallel_state
+
+    if kind == "dp":
+        if parallel_state.get_data_parallel_world_size() == 1:
+            return None
+        return parallel_state.get_data_parallel_group_gloo(with_context_parallel=False)
+    if kind != "world":
+        raise ValueError(f"host_group: kind must be 'world' or 'dp', got {kind!r}")
+    if "world" not in _HOST_GROUPS:
+        raise RuntimeError("host_group('world') before init_parallel")
+    return _HOST_GROUPS["world"]
 
 
 def destroy_parallel() -> None:
@@ -102,6 +125,7 @@ def destroy_parallel() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _HOST_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -127,5 +151,5 @@ def is_pipeline_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-__all__ = ["destroy_parallel", "init_parallel", "is_pipeline_first_stage", "is_pipeline_last_stage",
+__all__ = ["destroy_parallel", "host_group", "init_parallel", "is_pipeline_first_stage", "is_pipeline_last_stage",
            "resolve_backend", "tp_group"]

@@ -13,10 +13,12 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
                         log_path: Optional[str] = None) -> RolloutEngine:
     """The one place rollout engines are built (trainer, eval, demo), from a `RolloutConfig`:
       * backend=local: LocalEngine on `model` if given, else loaded from `hf_path`.
-      * backend=sglang, sglang_mode=engine: in-process sglang.Engine (mem_fraction_static; with
+      * backend=sglang, sglang_mode=engine: in-process sglang.Engine (mem_fraction_static and
+        rollout.sglang_args as keyword arguments; with
         colocate=true on CUDA, SGLang's memory saver so the trainer can release/resume it).
       * backend=sglang, sglang_mode=server: attach to cfg.server_url when set (nothing is spawned; that
-        URL is the one contacted), else launch `sglang.launch_server` bound to cfg.host:cfg.port.
+        URL is the one contacted), else launch `sglang.launch_server` bound to cfg.host:cfg.port (with
+        rollout.sglang_args as flags).
     The API key is read from the environment variable named by cfg.api_key_env (a launched server gets
     that key, or a generated one, as --api-key)."""
     if cfg.backend == "local":
@@ -29,14 +31,15 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
     if cfg.backend == "sglang":
         import torch
 
-        from megatron_opd.rollout.server import api_key_from_env
+        from megatron_opd.rollout.server import api_key_from_env, sglang_cli_args
         from megatron_opd.rollout.sglang_engine import SGLangEngine
 
-        # release/resume needs SGLang's memory saver (torch_memory_saver): CUDA only
-        memory_saver = bool(cfg.colocate) and torch.cuda.is_available()
+        # release/resume needs SGLang's memory saver (torch_memory_saver): CUDA only, and only on an engine
+        # or server we start with it on (an attached server may not have --enable-memory-saver)
+        memory_saver = bool(cfg.colocate) and torch.cuda.is_available() and cfg.server_url is None
+        sgl_args = {**dict(getattr(cfg, "sglang_args", None) or {}), "mem_fraction_static": cfg.mem_fraction_static}
         return SGLangEngine(hf_path, mode=cfg.sglang_mode, eos_token_ids=eos_token_ids, server_url=cfg.server_url,
-                            host=cfg.host, port=cfg.port, engine_kwargs={"mem_fraction_static": cfg.mem_fraction_static},
-                            server_args=["--mem-fraction-static", str(cfg.mem_fraction_static)],
+                            host=cfg.host, port=cfg.port, engine_kwargs=sgl_args, server_args=sglang_cli_args(sgl_args),
                             api_key=api_key_from_env(getattr(cfg, "api_key_env", None)), memory_saver=memory_saver,
                             weight_sync_timeout=getattr(cfg, "weight_sync_timeout", 600.0), log_path=log_path)
     raise ValueError(f"rollout.backend: unknown {cfg.backend!r} (expected local or sglang)")

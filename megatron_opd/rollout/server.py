@@ -81,9 +81,9 @@ def http_json(url: str, payload: Optional[dict] = None, timeout: float = 60.0, m
 def http_json_retry(url: str, payload: Optional[dict] = None, timeout: float = 60.0, retries: int = 4,
                     backoff: float = 0.5, max_backoff: float = 30.0, api_key: Optional[str] = None,
                     what: str = "server") -> Any:
-    """http_json for a server given by URL (nothing to watch but the network): connection errors, timeouts
-    and HTTP 5xx are retried `retries` times with exponential backoff (backoff * 2**attempt, capped);
-    other HTTP errors (4xx: a bad request or a missing key) raise at once. After the last attempt:
+    """http_json for a server given by URL (nothing to watch but the network): connection errors and
+    HTTP 5xx are retried `retries` times with exponential backoff (backoff * 2**attempt, capped); a
+    timeout and other HTTP errors (4xx: a bad request or a missing key) raise at once. After the last attempt:
     ServerError naming the URL, the attempt count and the last error. Use only for idempotent requests."""
     last: Optional[BaseException] = None
     for attempt in range(retries + 1):
@@ -94,6 +94,10 @@ def http_json_retry(url: str, payload: Optional[dict] = None, timeout: float = 6
                 raise
             last = e
         except (OSError, urllib.error.URLError) as e:  # refused / reset / DNS / timeout
+            if isinstance(getattr(e, "reason", e), TimeoutError):
+                # not retried: the server may still be working on it (a resent prefill doubles its load),
+                # and `retries` x `timeout` would stall a run for an hour before it hears of a dead server
+                raise ServerError(f"{what} {url}: no answer within {timeout:g} s (not retried)") from e
             last = e
         if attempt < retries:
             time.sleep(min(backoff * 2 ** attempt, max_backoff))
@@ -247,6 +251,25 @@ class ServerProcess:
         self.shutdown()
 
 
+def sglang_cli_args(args: Optional[dict[str, Any]]) -> list[str]:
+    """SGLang ServerArgs as `launch_server` flags: {tp_size: 2, disable_cuda_graph: true} ->
+    ["--tp-size", "2", "--disable-cuda-graph"] (false / None: left out; lists: repeated values)."""
+    out: list[str] = []
+    for k, v in (args or {}).items():
+        flag = "--" + str(k).replace("_", "-")
+        if v is None or v is False:
+            continue
+        if v is True:
+            out.append(flag)
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        elif isinstance(v, dict):
+            out += [flag, json.dumps(v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
 def sglang_server_cmd(model_path: str | Path, host: str = "127.0.0.1", port: int = 30000,
                       extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
     """argv for `python -m sglang.launch_server` serving `model_path` on host:port (token ids in/out)."""
@@ -255,4 +278,4 @@ def sglang_server_cmd(model_path: str | Path, host: str = "127.0.0.1", port: int
 
 
 __all__ = ["ServerError", "ServerProcess", "api_key_from_env", "http_json", "http_json_retry", "redact",
-           "sglang_server_cmd"]
+           "sglang_cli_args", "sglang_server_cmd"]

@@ -4,6 +4,12 @@ The request asks for input log-probs from the last prompt token on (`logprob_sta
 the client keeps the last T entries. Every kept entry carries the token id SGLang scored, and it must
 equal the response token at that position: any off-by-one in the server's indexing fails loudly here.
 
+Upstream bug handled here: SGLang (0.5.23; `managers/scheduler_components/logprob_result_processor.py`,
+`x if x < self.model_config.vocab_size - 1 else 0`, meant to clip padded multimodal hash ids) reports the
+*last* vocabulary id V-1 as token 0 in `input_token_logprobs`; the log-prob value itself is that of V-1.
+So at a position whose response token is exactly V-1 (V = the served model's config.vocab_size, passed as
+`vocab_size`), a reported id of 0 is accepted as V-1; everywhere else ids must match exactly.
+
 A teacher given by URL (no process to watch) is asked with retries: connection errors, timeouts and
 HTTP 5xx are retried `retries` times with exponential backoff, then ServerError names the URL and the
 attempt count. `api_key` (SGLang's --api-key) is sent as `Authorization: Bearer <key>`.
@@ -64,7 +70,7 @@ class SGLangTeacher:
                 raise TeacherScoreError(f"SGLang teacher: {len(outs) if isinstance(outs, list) else 'non-list'} "
                                         f"results for {len(idx)} requests")
             for i, out in zip(idx, outs):
-                scores[i] = parse_prefill(out, responses[i], top_k, i)
+                scores[i] = parse_prefill(out, responses[i], top_k, i, vocab_size=self.vocab_size)
         return validate_scores(scores, responses, top_k, source="SGLangTeacher")  # type: ignore[arg-type]
 
 
@@ -73,16 +79,20 @@ def _empty(top_k: int) -> TeacherScore:
                         torch.zeros(0, top_k) if top_k else None)
 
 
-def parse_prefill(out: dict, response: list[int], top_k: int, index: int) -> TeacherScore:
+def parse_prefill(out: dict, response: list[int], top_k: int, index: int,
+                  vocab_size: Optional[int] = None) -> TeacherScore:
     """Last len(response) entries of meta_info.input_token_logprobs ([logprob, token_id, text]) ->
-    TeacherScore, checking token ids; input_top_logprobs gives [[logprob, id, text] * K] per position."""
+    TeacherScore, checking token ids; input_top_logprobs gives [[logprob, id, text] * K] per position.
+    With `vocab_size` V, a reported id 0 where the response token is V-1 is accepted (SGLang's label bug,
+    see the module docstring)."""
     meta = out.get("meta_info", {})
     entries = meta.get("input_token_logprobs") or []
     T = len(response)
     if len(entries) < T:
         raise TeacherScoreError(f"SGLang teacher: sample {index}: {len(entries)} input log-probs for {T} response tokens")
     tail = entries[-T:]
-    ids = [e[1] for e in tail]
+    last = vocab_size - 1 if vocab_size else None
+    ids = [last if (e[1] == 0 and r == last) else e[1] for e, r in zip(tail, response)]
     if ids != list(response):
         j = next(k for k, (a, b) in enumerate(zip(ids, response)) if a != b)
         raise TeacherScoreError(f"SGLang teacher: sample {index}: scored token {ids[j]} at response position {j}, "

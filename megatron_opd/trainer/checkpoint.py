@@ -18,8 +18,9 @@ Crash safety (a SIGKILL at any instruction leaves a loadable checkpoint):
   `step_*/` (a pointer to a missing or damaged directory never makes a run unresumable). Without
   `latest` (killed before the first pointer write) the newest complete `step_*/` is used too.
 - pruning keeps the newest `keep_last` checkpoints by *parsed* step number (`step_100000000` is newer
-  than `step_99999999`), ignores names that are not `step_<digits>`, never removes the step `latest`
-  names, and renames a directory to `.trash_*` before deleting it, so a kill mid-delete never leaves a
+  than `step_99999999`) among those not newer than the step `latest` names (newer ones are abandoned:
+  a rollback's discarded trajectory), ignores names that are not `step_<digits>`, never removes the
+  step `latest` names, and renames a directory to `.trash_*` before deleting it, so a kill mid-delete never leaves a
   half-deleted `step_*/` that looks complete. A complete `.old_step_N/` without a `step_N/` (left by a
   kill mid re-save) is renamed back to `step_N/` by the next save.
 
@@ -263,19 +264,6 @@ class CheckpointManager:
         self._barrier()
         return final
 
-    def discard_after(self, step: int) -> list[int]:
-        """Delete the checkpoints newer than `step` (rank 0; e.g. an abandoned trajectory after a
-        rollback). `latest` must already name a step <= `step`. Returns the steps removed."""
-        removed = []
-        if self.rank == 0 and self.root.is_dir():
-            for p in list(self.root.iterdir()):
-                s = parse_step(p.name)
-                if s is not None and s > step and p.is_dir():
-                    _remove_dir(p)
-                    removed.append(s)
-        self._barrier()
-        return sorted(removed)
-
     # -- loading ---------------------------------------------------------------------------------
 
     def load(self, step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
@@ -309,12 +297,15 @@ class CheckpointManager:
             s = parse_step(p.name)
             if s is not None and p.is_dir():
                 dirs[s] = p
-        complete = sorted(s for s, p in dirs.items() if is_complete(p))
+        # Steps above the one `latest` names are abandoned (a rollback's discarded trajectory, or a save
+        # killed before its pointer write): a resume never reaches them, so they neither count towards
+        # keep_last nor survive.
+        complete = sorted(s for s, p in dirs.items() if is_complete(p) and (protected is None or s <= protected))
         keep = set(complete[-self.keep_last:]) | ({protected} if protected is not None else set())
         for s, p in dirs.items():
             if s in keep:
                 continue
-            if s in complete or (protected is not None and s < protected):
+            if s in complete or protected is not None:
                 _remove_dir(p)
         for stale in list(self.root.glob(".tmp_step_*")) + list(self.root.glob(".old_step_*")) + list(
                 self.root.glob(".trash_*")):

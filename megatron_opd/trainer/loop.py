@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
+import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +29,7 @@ from megatron_opd.config import Config, dump_config
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch
 from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
+from megatron_opd.models.parallel import host_group
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.policy import MegatronPolicy
 
@@ -130,6 +133,7 @@ class Trainer:
         self.eval_sets = self._load_eval_sets()
         self.detector = CollapseDetector(cfg.train.collapse)
         self.collapse_events = 0
+        self.rollbacks = 0
         self.engine = self._build_engine() if self.rank == 0 else None
         self.weight_version = 0
         self.step = 0
@@ -141,8 +145,12 @@ class Trainer:
         self.log = RunLogger(self.out_dir, cfg.logging.tensorboard, cfg.logging.jsonl, enabled=self.rank == 0)
         if self.rank == 0:
             dump_config(cfg, self.out_dir / "config.yaml")
-        if cfg.checkpoint.resume == "auto" and self.ckpt.latest_step() is not None:
-            self.resume()
+        if cfg.checkpoint.resume == "auto":
+            # Rank 0 decides and every rank loads that step: ranks reading `latest` on their own could
+            # disagree (shared-filesystem caching, a fallback) and deadlock in resume's collectives.
+            step = _broadcast(self.ckpt.latest_step() if self.rank == 0 else None)
+            if step is not None:
+                self.resume(step)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -195,24 +203,24 @@ class Trainer:
                 eos = eos_ids_from(self.cfg.model.hf_path)
                 if t.hf_path is not None:
                     check_eos_compat(self.cfg.model.hf_path, t.hf_path)
+                # the served model's config.vocab_size (SGLang labels its last id as 0: teacher/sglang.py)
+                vocab = AutoConfig.from_pretrained(t.hf_path or self.cfg.model.hf_path).vocab_size
                 self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
                                              micro_batch_size=t.micro_batch_size, retries=t.retries,
-                                             api_key=api_key_from_env(t.api_key_env))
+                                             api_key=api_key_from_env(t.api_key_env), vocab_size=vocab)
 
     def _launch_teacher_server(self) -> Any:
         """teacher.backend=sglang without teacher.server_url: serve teacher.hf_path on a free loopback port,
         with a per-run --api-key (the key of $teacher.api_key_env if set, else a generated one)."""
-        import secrets
-        import socket
-
-        from megatron_opd.rollout.server import ServerProcess, api_key_from_env, sglang_server_cmd
+        from megatron_opd.rollout.server import ServerProcess, api_key_from_env, sglang_cli_args, sglang_server_cmd
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         key = api_key_from_env(self.cfg.teacher.api_key_env) or secrets.token_hex(24)
         self._teacher_server = ServerProcess(
-            sglang_server_cmd(self.cfg.teacher.hf_path, "127.0.0.1", port, ["--api-key", key]), port=port,
+            sglang_server_cmd(self.cfg.teacher.hf_path, "127.0.0.1", port,
+                              [*sglang_cli_args(self.cfg.teacher.sglang_args), "--api-key", key]), port=port,
             log_path=self.out_dir / "logs" / "sglang_teacher.log", api_key=key).start()
         return self._teacher_server
 
@@ -320,8 +328,6 @@ class Trainer:
         """(sum, sum of squares, count) of the advantage before whitening over the policy tokens of the
         whole minibatch, all-reduced over data-parallel ranks: adv_normalize whitens with these, so
         the result does not depend on train.micro_batch_size or the data-parallel size."""
-        from megatron.core import parallel_state as ps
-
         from megatron_opd.algo.advantages import compute_advantages, whitening_stats
 
         finite = [torch.nan_to_num(mb.extras[k], nan=0.0, posinf=0.0, neginf=0.0)  # a NaN skips the step later
@@ -331,14 +337,12 @@ class Trainer:
                                        mask_truncated=algo.mask_truncated)
         local = whitening_stats(adv, mask)
         if self.dp_size > 1:
-            dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
+            dist.all_reduce(local, group=host_group("dp"))
         return float(local[0]), float(local[1]), float(local[2])
 
     def _global_counts(self, mb: TrainBatch, algo: Any) -> dict[str, tuple[float, float]]:
         """Token and sequence counts of each loss term summed over data-parallel ranks, so every rank
         normalises by the whole minibatch (DDP then averages the shares; the loss is scaled by dp)."""
-        from megatron.core import parallel_state as ps
-
         from megatron_opd.algo.objective import term_masks
 
         masks = term_masks(algo, mb.response_mask, mb.is_golden, mb.truncated)
@@ -346,7 +350,7 @@ class Trainer:
         local = torch.tensor([[float(masks[k].sum()), float((masks[k].sum(-1) > 0).sum())] for k in names],
                              dtype=torch.float64)
         if self.dp_size > 1:
-            dist.all_reduce(local, group=ps.get_data_parallel_group(with_context_parallel=False))
+            dist.all_reduce(local, group=host_group("dp"))
         return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
 
     def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[TrainBatch]:
@@ -588,8 +592,14 @@ class Trainer:
             self.save()
             raise TrainingStopped(f"collapse detected at step {self.step}: {getattr(self, '_collapse_reasons', '')}")
         if action == "rollback":
+            if self.rollbacks >= self.cfg.train.max_rollbacks:
+                self.save()
+                raise TrainingStopped(f"collapse detected at step {self.step} after {self.rollbacks} rollback(s) "
+                                      f"(train.max_rollbacks={self.cfg.train.max_rollbacks}): "
+                                      f"{getattr(self, '_collapse_reasons', '')}")
             target = self._rollback_target()
             if target is not None:
+                self.rollbacks += 1
                 self._rollback(target)
                 return True
             if self.rank == 0:
@@ -617,8 +627,8 @@ class Trainer:
         self.detector.reset()
         self._ensure_ref()
         self._push_restored_weights(int(state["weight_version"]))
-        self.save()  # `latest` -> the rolled-back state, with its raised beta_kl
-        dropped = self.ckpt.discard_after(self.step)
+        dropped = [s for s in self.ckpt.steps() if s > self.step] if self.rank == 0 else []
+        self.save()  # `latest` -> the rolled-back state, with its raised beta_kl; prunes the newer ones
         if self.rank == 0:
             logger.warning("step %d: rolled back to the checkpoint of step %d; beta_kl %g -> %g; weight version "
                            "%d; discarded checkpoints %s", collapsed_at, step, beta_at_collapse, self.beta_kl,
@@ -634,9 +644,10 @@ class Trainer:
 
     def train(self, stop_after: Optional[int] = None) -> dict[str, float]:
         """Run to train.steps, or return early after `stop_after` steps of this call (a time-limited
-        job slice; the last step is checkpointed so the next call resumes from it)."""
+        job slice; the last step is checkpointed so the next call resumes from it). Steps re-trained
+        after a rollback count towards `stop_after`, so a slice never overruns its time limit."""
         cfg = self.cfg
-        end = cfg.train.steps if stop_after is None else min(cfg.train.steps, self.step + stop_after)
+        ran = 0
         bar = None
         if self.rank == 0 and cfg.logging.progress_bar:
             from tqdm.auto import tqdm
@@ -644,8 +655,9 @@ class Trainer:
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.algo.preset, dynamic_ncols=True)
         last: dict[str, float] = {}
         try:
-            while self.step < end:
+            while self.step < cfg.train.steps and (stop_after is None or ran < stop_after):
                 metrics = self.train_step()
+                ran += 1
                 if metrics.get("loss/update_skipped", 0.0) > 0:
                     self.skipped_steps += 1
                 metrics["train/skipped_steps"] = float(self.skipped_steps)
@@ -662,7 +674,8 @@ class Trainer:
                         bar.n = self.step
                         bar.refresh()
                     continue
-                if self.step % cfg.checkpoint.save_every == 0 or self.step in (cfg.train.steps, end):
+                if (self.step % cfg.checkpoint.save_every == 0 or self.step == cfg.train.steps
+                        or ran == stop_after):
                     self.save()
                 last = metrics
                 if bar is not None:
@@ -697,17 +710,27 @@ class Trainer:
     def save(self) -> None:
         state = {"policy": self.student.state_dict(), "rng": rng_state(), "step": self.step,
                  "weight_version": self.weight_version, "beta_kl": self.beta_kl, "skipped_steps": self.skipped_steps,
-                 "sampler": self.sampler.state_dict(), "collapse_events": self.collapse_events}
+                 "sampler": self.sampler.state_dict(), "collapse_events": self.collapse_events,
+                 "rollbacks": self.rollbacks}
         if self.rank == 0:
             state["detector"] = self.detector.state_dict()
         self.ckpt.save(self.step, state, meta={"beta_kl": self.beta_kl})
 
-    def resume(self) -> None:
-        step, state = self.ckpt.load()
+    def resume(self, step: Optional[int] = None) -> None:
+        """Restore the checkpoint of `step` (default: the one rank 0 finds as latest, agreed by all ranks)."""
+        if step is None:
+            step = _broadcast(self.ckpt.latest_step() if self.rank == 0 else None)
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint under {self.ckpt.root}")
+        step, state = self.ckpt.load(step)
         self.student.load_state_dict(state["policy"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.beta_kl = float(state["beta_kl"])  # may exceed algo.beta_kl after raise_beta_kl / rollback
+        if self.beta_kl != self.cfg.algo.beta_kl and self.rank == 0:
+            logger.warning("resuming with the checkpoint's beta_kl=%g, not algo.beta_kl=%g (a collapse action "
+                           "raised it, or the config changed since)", self.beta_kl, self.cfg.algo.beta_kl)
         self.collapse_events = int(state.get("collapse_events", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
         self._ensure_ref()  # before the RNGs are restored: building a model may draw from them
         set_rng_state(state["rng"])
         self.sampler.load_state_dict(state["sampler"])

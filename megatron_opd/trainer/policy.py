@@ -139,11 +139,14 @@ class MegatronPolicy:
         was_training = self.model.training
         self.model.eval()
         try:
-            for start in range(0, B, micro_batch_size):
-                sel = list(range(start, min(B, start + micro_batch_size)))
+            # only the flagged rows are run (every TP/PP rank of a data-parallel group holds the same batch,
+            # so all of them skip the same micro-batches)
+            picked = [i for i in range(B) if bool(rows[i])]
+            for start in range(0, len(picked), micro_batch_size):
+                sel = picked[start:start + micro_batch_size]
                 mb = batch.select(sel)
                 mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
-                want = mb.response_mask & rows[sel].bool()[:, None]
+                want = mb.response_mask
 
                 def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb, want: torch.Tensor = want,
                             sel: list[int] = sel):
@@ -392,7 +395,9 @@ def _broadcast_flag(value: float) -> bool:
     """True on every rank if any rank saw `value` > 0 (the last stage computes the loss)."""
     import torch.distributed as dist
 
+    from megatron_opd.models.parallel import host_group
+
     flag = torch.tensor([1.0 if value > 0 else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group("world"))
     return bool(flag.item() > 0)

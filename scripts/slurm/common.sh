@@ -252,6 +252,8 @@ start_training() {
     local nnodes=${#nodes[@]} nproc i
     nproc=$(gpu_count "$gpus")
     local master=${MASTER_ADDR:-${nodes[0]}}
+    # where a disaggregated rollout server reaches trainer rank 0 for the weight-sync rendezvous
+    export MEGATRON_OPD_WEIGHT_SYNC_ADDR="${MEGATRON_OPD_WEIGHT_SYNC_ADDR:-$master}"
     for ((i = 0; i < nnodes; i++)); do
         local logfile=-
         ((i == 0)) || logfile="$out/logs/train.node$i.log"
