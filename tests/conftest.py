@@ -20,3 +20,14 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "math500.jsonl").is_file():
         pytest.skip(f"shared data not found at {SHARED_DATA} (see ../shared/data/README.md)")
     return SHARED_DATA
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Numbers the real-SGLang tests measured (log-prob gaps vs HF / megatron), next to their tolerance."""
+    import sglang_cpu
+
+    if sglang_cpu.MEASURED:
+        terminalreporter.section("SGLang measurements")
+        terminalreporter.write_line(f"(tolerance on every log-prob gap: {sglang_cpu.LOGPROB_TOL:g})")
+        for name, value in sglang_cpu.MEASURED.items():
+            terminalreporter.write_line(f"{name}: {value:.3g}")

@@ -1,6 +1,6 @@
 """SGLang backend: output parsing/contract checks, the HTTP client path against a stand-in server
-(NOT SGLang: a stdlib script answering /generate in SGLang's output format), and, only where sglang is
-importable, the real in-process engine on CPU (markers `sglang`, `slow`)."""
+(NOT SGLang: a stdlib script answering /generate in SGLang's output format). Real SGLang runs in
+tests/test_sglang_engine_real.py and its siblings (marker `sglang`; `make test-sglang`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.util
 import sys
 
 import pytest
-import torch
 
 from megatron_opd.rollout.base import SamplingParams, assert_fresh
 from megatron_opd.rollout.server import ServerProcess
@@ -123,29 +122,4 @@ def test_engine_mode_without_sglang_says_so():
         SGLangEngine("/tmp", mode="engine", eos_token_ids=[2])
 
 
-@pytest.mark.sglang
-@pytest.mark.slow
-def test_real_sglang_engine_cpu(tmp_path):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not importable in this environment")
-    from megatron_opd.models.tiny import make_tiny_hf_model
-
-    model = make_tiny_hf_model("qwen2", out_dir=tmp_path, seed=0)
-    eng = SGLangEngine(tmp_path, mode="engine", engine_kwargs=dict(
-        device="cpu", attention_backend="torch_native", dtype="float32", disable_cuda_graph=True,
-        mem_fraction_static=0.3))
-    try:
-        sp = SamplingParams(max_new_tokens=8, n=2, seed=1)
-        samples = eng.generate([[5, 6, 7]], sp)
-        for s in samples:
-            with torch.no_grad():
-                lp = torch.log_softmax(model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float(), -1)
-            ref = lp[2:-1].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-3, rtol=0)
-        weights = [(n, p.detach() + 0.5) for n, p in model.named_parameters()]
-        eng.update_weights(weights, version=1)
-        assert eng.generate([[5, 6, 7]], sp)[0].response_ids != samples[0].response_ids
-        eng.update_weights([(n, p.detach()) for n, p in model.named_parameters()], version=2)
-        assert_fresh(eng.generate([[5, 6, 7]], sp), 2)
-    finally:
-        eng.shutdown()
+# Real SGLang (engine and server mode, weight sync, trainer runs): tests/test_sglang_*_real.py

@@ -71,3 +71,19 @@ def test_strict_mode_fails_a_module_level_skip(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "module skipped under MEGATRON_OPD_STRICT_SKIPS=1" in out, out
     assert "another_missing_pkg_xyz" in out
+
+
+def test_require_sglang_turns_the_sglang_skip_into_a_failure(tmp_path):
+    """MEGATRON_OPD_REQUIRE_SGLANG=1 (.ci/run's SGLang leg): "sglang is not importable" is no longer allowed."""
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["_strict_skips"]\n')
+    (tmp_path / "test_sgl.py").write_text('import pytest\n\ndef test_sgl():\n'
+                                          '    pytest.skip("sglang is not importable in this environment")\n')
+    base = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "MEGATRON_OPD_STRICT_SKIPS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)]
+    ok = subprocess.run(cmd, cwd=tmp_path, env={**base, "MEGATRON_OPD_REQUIRE_SGLANG": "0"}, capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0 and "1 skipped" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run(cmd, cwd=tmp_path, env={**base, "MEGATRON_OPD_REQUIRE_SGLANG": "1"}, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and "1 failed" in bad.stdout and "NOT ALLOWED in CI" in bad.stdout, bad.stdout

@@ -1,10 +1,9 @@
 """SGLangTeacher client against a stand-in server (NOT SGLang) that answers /generate in SGLang's
 prefill-logprob format from a tiny HF model's precomputed log-probs: checks request/parse alignment and
-equality with HFTeacher. A real-SGLang variant runs only where sglang is importable (marker `sglang`)."""
+equality with HFTeacher. Real SGLang: tests/test_sglang_server_real.py (marker `sglang`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
@@ -109,21 +108,21 @@ def test_sglang_teacher_detects_misaligned_server(tmp_path, model_dir):
             SGLangTeacher(srv, eos_token_ids=[2]).score(PROMPTS[:1], RESPONSES[:1])
 
 
-@pytest.mark.sglang
-@pytest.mark.slow
-def test_real_sglang_teacher_matches_hf(tmp_path, model_dir):
-    if importlib.util.find_spec("sglang") is None:
-        pytest.skip("sglang is not importable in this environment")
-    from _dist import free_port
+# Real SGLang prefill scoring vs the megatron teacher: tests/test_sglang_server_real.py
 
-    from megatron_opd.rollout.server import sglang_server_cmd
+def test_parse_prefill_accepts_sglang_last_vocab_id_labelled_0():
+    """SGLang 0.5.23 labels the last vocabulary id V-1 as 0 in input_token_logprobs
+    (logprob_result_processor.py: `x if x < vocab_size - 1 else 0`); the value is V-1's. With the served
+    vocab size the client accepts 0 exactly where the response token is V-1, and nowhere else."""
+    from megatron_opd.teacher.sglang import parse_prefill
 
-    port = free_port()
-    cmd = sglang_server_cmd(model_dir, port=port, extra_args=["--device", "cpu", "--attention-backend", "torch_native",
-                                                              "--disable-cuda-graph", "--mem-fraction-static", "0.3",
-                                                              "--dtype", "float32"])
-    expected = HFTeacher.from_pretrained(model_dir).score(PROMPTS, RESPONSES)
-    with ServerProcess(cmd, port=port, startup_timeout=600, log_path=tmp_path / "sglang.log") as srv:
-        got = SGLangTeacher(srv, eos_token_ids=[2]).score(PROMPTS, RESPONSES)
-    for e, g in zip(expected, got):
-        torch.testing.assert_close(g.logprobs, e.logprobs, atol=1e-3, rtol=0)
+    out = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.0, 0, None], [-2.0, 7, None],
+                                                  [-3.0, 99, None]]}}
+    assert parse_prefill(out, [99, 7, 99], 0, 0, vocab_size=100).logprobs.tolist() == [-1.0, -2.0, -3.0]
+    with pytest.raises(TeacherScoreError, match="scored token 0 at response position 0, expected 99"):
+        parse_prefill(out, [99, 7, 99], 0, 0)  # vocab size unknown: strict
+    with pytest.raises(TeacherScoreError, match="scored token 0 at response position 0, expected 98"):
+        parse_prefill(out, [98, 7, 99], 0, 0, vocab_size=100)  # only V-1 may come back as 0
+    t = SGLangTeacher("http://127.0.0.1:9", eos_token_ids=[2], vocab_size=100)
+    t._post = lambda payload: [out]
+    assert t.score([[1, 5]], [[99, 7, 99]])[0].logprobs.tolist() == [-1.0, -2.0, -3.0]

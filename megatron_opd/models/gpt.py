@@ -1,22 +1,48 @@
 """Build megatron-core ``GPTModel`` instances from an HF config.
 
-Why GPTModel: megatron-core 0.19 deprecates GPTModel in favour of HybridModel, but we target 0.16.x
-(the newest that runs on python 3.11), where GPTModel is the supported dense decoder and exactly
-matches Qwen2/Llama. Layer spec: the local (pure megatron-core) spec on CPU, the Transformer Engine
-spec on GPU (TE is imported lazily: it does not build without CUDA). FP8 is TE-only and opt-in.
+Why GPTModel: megatron-core 0.19 deprecates GPTModel in favour of HybridModel, but we support 0.16.x
+(the newest that runs on python 3.11), which has no HybridModel, through 0.19, and HybridModel has
+no CPU (non-TE) stack spec and no Llama-3 RoPE scaling (docs/design.md, "GPTModel and HybridModel").
+GPTModel exactly matches Qwen2/Llama; 0.19's deprecation notice is dropped while we build one.
+Layer spec: the local (pure megatron-core) spec on CPU, the Transformer Engine spec on GPU (TE is
+imported lazily: it does not build without CUDA). FP8 is TE-only and opt-in.
 
 Call ``init_parallel`` first: the model's TP/PP shards come from megatron's parallel state.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import contextlib
+import logging
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 
 from megatron_opd.models.hf_config import transformer_config_from_hf
 
 LayerSpec = Literal["auto", "local", "te"]
+
+# megatron-core 0.19 logs this (WARNING, logger of megatron/core/models/gpt/gpt_model.py) at every
+# GPTModel construction. We build GPTModel on purpose, so the record is dropped, and only while
+# build_gpt_model constructs the model; every other record of that logger passes.
+_GPT_LOGGER = "megatron.core.models.gpt.gpt_model"
+_GPT_DEPRECATION = "GPTModel IS DEPRECATED"
+
+
+class _DropGPTModelDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_GPT_DEPRECATION)
+
+
+@contextlib.contextmanager
+def _quiet_gptmodel_deprecation() -> Iterator[None]:
+    logger = logging.getLogger(_GPT_LOGGER)
+    drop = _DropGPTModelDeprecation()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def resolve_layer_spec(layer_spec: LayerSpec, fp8: Optional[str] = None) -> Literal["local", "te"]:
@@ -91,14 +117,15 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec_for(config, spec_name),
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        **gpt_kwargs,
-    )
+    with _quiet_gptmodel_deprecation():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec_for(config, spec_name),
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            **gpt_kwargs,
+        )
     # The real vocabulary: logits columns >= this index are padding (see logprobs.py).
     model.hf_vocab_size = int(hf_config["vocab_size"] if isinstance(hf_config, dict) else hf_config.vocab_size)
     if torch.cuda.is_available():

@@ -202,6 +202,13 @@ def transformer_config_from_hf(
         kwargs.update(fp8="hybrid", fp8_recipe=fp8)
     if recompute_activations:
         kwargs.update(recompute_granularity="selective")
+    # megatron-core warns "full scope is deprecated" for its own default CUDA-graph scope "full", which
+    # it normalises to []: pass [] (no CUDA graphs either way: cuda_graph_impl stays "none"). The field
+    # is cuda_graph_modules from 0.19 on (cuda_graph_scope is deprecated there), cuda_graph_scope before.
+    fields = TransformerConfig.__dataclass_fields__
+    graph_scope_field = "cuda_graph_modules" if "cuda_graph_modules" in fields else "cuda_graph_scope"
+    if graph_scope_field in fields:
+        kwargs[graph_scope_field] = []
     for key, value in (overrides or {}).items():
         if key not in TransformerConfig.__dataclass_fields__:
             raise HFConfigError(f"overrides.{key}: not a TransformerConfig field")

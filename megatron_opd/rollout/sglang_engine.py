@@ -117,7 +117,9 @@ class SGLangEngine:
             kwargs = dict(engine_kwargs or {})
             if memory_saver:
                 kwargs.setdefault("enable_memory_saver", True)
+            before = _child_pids()
             self.engine = sgl.Engine(model_path=self.model_path, skip_tokenizer_init=True, **kwargs)
+            self._engine_pids = _child_pids() - before  # its scheduler / detokenizer processes
         elif mode == "server":
             if server_url is None:
                 # weight-update endpoints must not be open to anyone who can reach the port: always a key
@@ -348,11 +350,49 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            _shutdown_engine_only(self.engine, getattr(self, "_engine_pids", set()))
             self.engine = None
         if self.server is not None:
             self.server.shutdown()
             self.server = None
+
+
+def _child_pids() -> set[int]:
+    import psutil  # an SGLang dependency
+
+    return {c.pid for c in psutil.Process().children(recursive=False)}
+
+
+def _shutdown_engine_only(engine: Any, own_pids: set[int]) -> None:
+    """`sglang.Engine.shutdown()` ends with `kill_process_tree(os.getpid(), include_parent=False)`: it SIGKILLs
+    *every* child of the calling process, i.e. of the trainer: a teacher server it launched, torch's
+    shared-memory manager (after which tensor updates to a server fail with `Broken pipe`), data workers.
+    Here that call is narrowed to the processes the engine started (the children that appeared while it was
+    built, and their descendants); every other kill_process_tree call is SGLang's own."""
+    import os
+
+    try:
+        import sglang.srt.entrypoints.engine as engine_mod
+    except ImportError:
+        engine.shutdown()
+        return
+    real = getattr(engine_mod, "kill_process_tree", None)
+    if real is None:
+        engine.shutdown()
+        return
+
+    def kill_own(parent_pid: Any = None, include_parent: bool = True, *args: Any, **kwargs: Any) -> None:
+        if parent_pid == os.getpid() and not include_parent:
+            for pid in sorted(own_pids):
+                real(pid, True, *args, **kwargs)
+            return
+        real(parent_pid, include_parent, *args, **kwargs)
+
+    engine_mod.kill_process_tree = kill_own
+    try:
+        engine.shutdown()
+    finally:
+        engine_mod.kill_process_tree = real
 
 
 def _check_success(res: Any, what: str) -> None:
