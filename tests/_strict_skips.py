@@ -46,19 +46,23 @@ def strict() -> bool:
     return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
+def _judge(report: pytest.BaseReport, nodeid: str, what: str) -> None:
+    """Record a skip; under strict mode turn a disallowed one into a failure."""
+    reason = _reason(report)
+    ok = allowed(reason)
+    _skipped.append((nodeid, reason, ok))
+    if strict() and not ok:
+        report.outcome = "failed"
+        report.longrepr = (f"{what} under {STRICT_ENV}=1, and its dependency is one CI installs: {reason}\n"
+                           f"(allowed skip reasons: {sorted(ALLOWED_SKIPS)}; see tests/_strict_skips.py)")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
-    if not report.skipped or hasattr(report, "wasxfail"):
-        return
-    reason = _reason(report)
-    ok = allowed(reason)
-    _skipped.append((item.nodeid, reason, ok))
-    if strict() and not ok:
-        report.outcome = "failed"
-        report.longrepr = (f"skipped under {STRICT_ENV}=1, and its dependency is one CI installs: {reason}\n"
-                           f"(allowed skip reasons: {sorted(ALLOWED_SKIPS)}; see tests/_strict_skips.py)")
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _judge(report, item.nodeid, "skipped")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -66,14 +70,8 @@ def pytest_make_collect_report(collector: pytest.Collector):
     """A module-level skip (`importorskip` at import time, `allow_module_level=True`) drops a whole file."""
     outcome = yield
     report = outcome.get_result()
-    if not report.skipped:
-        return
-    reason = _reason(report)
-    ok = allowed(reason)
-    _skipped.append((report.nodeid, reason, ok))
-    if strict() and not ok:
-        report.outcome = "failed"
-        report.longrepr = f"module skipped under {STRICT_ENV}=1, and its dependency is one CI installs: {reason}"
+    if report.skipped:
+        _judge(report, report.nodeid, "module skipped")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
