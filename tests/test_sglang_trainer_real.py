@@ -111,9 +111,15 @@ def test_train_engine_colocated_with_sglang_teacher(setup, tmp_path):
         _engine_holds_student_weights(trainer, student, "engine, colocate=True, sglang teacher")
         # sglang.Engine.shutdown() SIGKILLs every child of its process; the client narrows that to the
         # engine's own processes, so the teacher server (a child of this process) lives on
+        import psutil  # an SGLang dependency (this module only runs where SGLang is installed)
+
+        own = trainer.engine.engine_processes
+        assert own and all(p.is_running() for p in own), own  # the scheduler / detokenizer processes
         trainer.engine.shutdown()
         trainer.engine = None
         assert srv.is_alive() and srv.healthy()
+        gone = [p for p in own if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
+        assert len(gone) == len(own), f"engine processes left running after shutdown: {own}"
     finally:
         _finish(trainer)
     assert not srv.is_alive()  # close() stopped the teacher server

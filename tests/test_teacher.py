@@ -98,3 +98,8 @@ def test_factories_from_config(tmp_path):
     torch.testing.assert_close(sc.logprobs, torch.tensor(s.raw_logprobs), atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="teacher.server_url"):
         make_teacher(TeacherConfig(backend="sglang", hf_path=str(tmp_path)))
+    sg = make_teacher(TeacherConfig(backend="sglang", hf_path=str(tmp_path), server_url="http://127.0.0.1:9",
+                                    retries=1, api_key_env="TEST_TEACHER_KEY"), eos_token_ids=[2])
+    from transformers import AutoConfig
+
+    assert sg.vocab_size == AutoConfig.from_pretrained(str(tmp_path)).vocab_size and sg.retries == 1

@@ -28,7 +28,10 @@ A launched server gets `--api-key` (generated when none is given); every request
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import logging
+import os
 import secrets
 import threading
 import time
@@ -39,6 +42,8 @@ import torch
 
 from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
 from megatron_opd.rollout.server import ServerError, ServerProcess, http_json, sglang_server_cmd
+
+logger = logging.getLogger("megatron_opd.rollout.sglang")
 
 
 def import_sglang() -> Any:
@@ -117,9 +122,9 @@ class SGLangEngine:
             kwargs = dict(engine_kwargs or {})
             if memory_saver:
                 kwargs.setdefault("enable_memory_saver", True)
-            before = _child_pids()
+            before = {p.pid for p in _children()}
             self.engine = sgl.Engine(model_path=self.model_path, skip_tokenizer_init=True, **kwargs)
-            self._engine_pids = _child_pids() - before  # its scheduler / detokenizer processes
+            self.engine_processes = [p for p in _children() if p.pid not in before and not _is_mp_helper(p.pid)]
         elif mode == "server":
             if server_url is None:
                 # weight-update endpoints must not be open to anyone who can reach the port: always a key
@@ -350,49 +355,62 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         if self.engine is not None:
-            _shutdown_engine_only(self.engine, getattr(self, "_engine_pids", set()))
+            _shutdown_engine_only(self.engine, getattr(self, "engine_processes", []))
             self.engine = None
         if self.server is not None:
             self.server.shutdown()
             self.server = None
 
 
-def _child_pids() -> set[int]:
+def _children() -> list[Any]:
     import psutil  # an SGLang dependency
 
-    return {c.pid for c in psutil.Process().children(recursive=False)}
+    return psutil.Process().children(recursive=False)
 
 
-def _shutdown_engine_only(engine: Any, own_pids: set[int]) -> None:
+def _is_mp_helper(pid: int) -> bool:
+    """multiprocessing's resource tracker, often started while the engine is built: not the engine's to kill
+    (killing it leaks semaphores and makes multiprocessing warn and relaunch it)."""
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None) == pid
+
+
+def _shutdown_engine_only(engine: Any, own: list[Any]) -> None:
     """`sglang.Engine.shutdown()` ends with `kill_process_tree(os.getpid(), include_parent=False)`: it SIGKILLs
     *every* child of the calling process, i.e. of the trainer: a teacher server it launched, torch's
     shared-memory manager (after which tensor updates to a server fail with `Broken pipe`), data workers.
-    Here that call is narrowed to the processes the engine started (the children that appeared while it was
-    built, and their descendants); every other kill_process_tree call is SGLang's own."""
-    import os
-
+    Here that call is narrowed to the processes the engine started (`own`: psutil handles of the children
+    that appeared while it was built, so a reused PID is never hit; their descendants go with them); every
+    other kill_process_tree call is SGLang's own. The engine's atexit hook (the unnarrowed shutdown again)
+    is removed. Where SGLang no longer makes that call, a warning says the workaround no longer applies."""
     try:
         import sglang.srt.entrypoints.engine as engine_mod
     except ImportError:
-        engine.shutdown()
-        return
+        engine_mod = None
     real = getattr(engine_mod, "kill_process_tree", None)
-    if real is None:
+    if real is None or "kill_process_tree" not in getattr(type(engine).shutdown, "__code__", _NO_CODE).co_names:
+        logger.warning("sglang.Engine.shutdown no longer calls kill_process_tree as 0.5.23 did: shutting the "
+                       "engine down the SGLang way (it may kill other child processes of the trainer)")
         engine.shutdown()
-        return
+    else:
+        def kill_own(parent_pid: Any = None, include_parent: bool = True, *args: Any, **kwargs: Any) -> None:
+            if parent_pid == os.getpid() and not include_parent:
+                for proc in own:
+                    if proc.is_running():  # psutil compares creation times: PID reuse is not "running"
+                        real(proc.pid, True, *args, **kwargs)
+                return
+            real(parent_pid, include_parent, *args, **kwargs)
 
-    def kill_own(parent_pid: Any = None, include_parent: bool = True, *args: Any, **kwargs: Any) -> None:
-        if parent_pid == os.getpid() and not include_parent:
-            for pid in sorted(own_pids):
-                real(pid, True, *args, **kwargs)
-            return
-        real(parent_pid, include_parent, *args, **kwargs)
+        engine_mod.kill_process_tree = kill_own
+        try:
+            engine.shutdown()
+        finally:
+            engine_mod.kill_process_tree = real
+    atexit.unregister(engine.shutdown)
 
-    engine_mod.kill_process_tree = kill_own
-    try:
-        engine.shutdown()
-    finally:
-        engine_mod.kill_process_tree = real
+
+_NO_CODE = (lambda: None).__code__
 
 
 def _check_success(res: Any, what: str) -> None:

@@ -19,13 +19,19 @@ def make_teacher(cfg: Any, eos_token_ids: Optional[list[int]] = None) -> Teacher
 
         return MegatronTeacher.from_hf(cfg.hf_path, micro_batch_size=cfg.micro_batch_size)
     if cfg.backend == "sglang":
+        from transformers import AutoConfig
+
         from megatron_opd.rollout.base import eos_ids_from
+        from megatron_opd.rollout.server import api_key_from_env
         from megatron_opd.teacher.sglang import SGLangTeacher
 
         if cfg.server_url is None:
             raise ValueError("teacher.server_url: required for teacher.backend=sglang (start the server first)")
         ids = eos_token_ids if eos_token_ids is not None else eos_ids_from(cfg.hf_path)
-        return SGLangTeacher(cfg.server_url, eos_token_ids=ids, micro_batch_size=cfg.micro_batch_size)
+        # the served model's vocab size lets the client undo SGLang's last-id label bug (teacher/sglang.py)
+        vocab = AutoConfig.from_pretrained(cfg.hf_path).vocab_size if cfg.hf_path else None
+        return SGLangTeacher(cfg.server_url, eos_token_ids=ids, micro_batch_size=cfg.micro_batch_size,
+                             retries=cfg.retries, api_key=api_key_from_env(cfg.api_key_env), vocab_size=vocab)
     raise ValueError(f"teacher.backend: unknown {cfg.backend!r} (expected megatron, sglang or hf)")
 
 
