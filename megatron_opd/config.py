@@ -34,6 +34,9 @@ class ModelConfig:
     family: Literal["auto", "qwen2", "llama"] = "auto"
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: TE on GPU, local on CPU
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # the frozen reference pi_ref: "same" as params_dtype, or its own (bfloat16 halves its memory and, on
+    # GPUs and CPUs with bf16 GEMMs, its time; its log-softmax is fp32 either way)
+    ref_params_dtype: Literal["same", "auto", "float32", "bfloat16", "float16"] = "same"
     fp8: Optional[Literal["delayed", "tensorwise", "mxfp8", "blockwise"]] = None  # TE FP8 recipe; GPU only
     num_attention_heads: Optional[int] = None  # filled from the HF config; set here only to validate early
     num_query_groups: Optional[int] = None
@@ -58,6 +61,8 @@ class TeacherConfig:
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
     top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
     micro_batch_size: int = 8
+    # an in-process megatron teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
+    params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
     retries: int = 4  # SGLang teacher by URL: retries (exponential backoff) on connection errors / HTTP 5xx
     # Extra SGLang ServerArgs for a teacher server the trainer launches (no teacher.server_url), e.g.
@@ -84,6 +89,9 @@ class RolloutConfig:
     # this is true, which then only warns.
     allow_truncated_sampling: bool = False
     seed: int = 1234
+    # backend=local: torch threads while decoding (0: auto = 1 on a machine with <= 4 cores, where a second
+    # decode thread stalled 5-10x whenever the host was busy, else torch's default); restored afterwards
+    num_threads: int = 0
     sync_bucket_mb: int = 512
     colocate: bool = True
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
@@ -175,6 +183,9 @@ class TrainConfig:
     steps: int = 100
     prompts_per_step: int = 32
     micro_batch_size: int = 4
+    # pi_old from the training forward (detached) when a step makes exactly one update: ppo_epochs=1, one
+    # minibatch, no adv_normalize, no dropout (trainer/loop.py `_reuse_old_logp`); saves a student forward
+    reuse_old_logp: bool = True
     seed: int = 42
     eval_every: int = 0
     collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"
@@ -432,6 +443,7 @@ def validate(cfg: Config) -> None:
         need(r.allow_truncated_sampling, truncated[0].split("=")[0],
              f"{msg}. Use top_p=1.0 and top_k=-1, or set rollout.allow_truncated_sampling=true to accept the mismatch")
         logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
+    need(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0: auto), got {r.num_threads}")
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
     for key, size in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),

@@ -85,8 +85,9 @@ def test_full_kl_holds_only_the_micro_batchs_reference_logits(setup, tmp_path):
 
 
 def test_frozen_score_upcasts_only_response_rows(setup, tmp_path, monkeypatch):
-    """The reference scores with fp32 log-softmax over response rows only, in bounded chunks (no fp32
-    copy of the [b, S, V] logits, no prompt positions), and gives the student's log-probs (same weights)."""
+    """The reference runs its LM head on response positions only and scores them with an fp32
+    log-softmax in bounded chunks (no fp32 copy of the [b, S, V] logits, no prompt positions), and gives
+    the student's log-probs (same weights)."""
     import megatron_opd.models.logprobs as lp_mod
     from megatron_opd.trainer import policy as policy_mod
     from megatron_opd.trainer.batch import SequenceItem, build_batch
@@ -97,20 +98,26 @@ def test_frozen_score_upcasts_only_response_rows(setup, tmp_path, monkeypatch):
         items = [SequenceItem(list(range(5, 25)), [30 + i for i in range(n)]) for n in (3, 9, 0, 6)]
         batch = build_batch(items, trainer.pad_id)
         student_logp, _ = trainer.student.score(batch, micro_batch_size=2)
-        calls = []
+        calls, head_rows = [], []
         real = lp_mod.vocab_parallel_token_logprobs
 
         def spy(logits, targets, *a, **k):
-            calls.append((tuple(logits.shape), logits.dtype))
+            calls.append((tuple(logits.shape), k.get("chunk_size")))
             return real(logits, targets, *a, **k)
 
         monkeypatch.setattr(lp_mod, "vocab_parallel_token_logprobs", spy)
         monkeypatch.setattr(policy_mod, "FROZEN_LOGP_CHUNK", 4, raising=False)
+        head = trainer.ref.model.output_layer
+        hook = head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[0] * args[0].shape[1]))
         ref_logp, _ = trainer.ref.score(batch, micro_batch_size=2)
+        hook.remove()
     finally:
         trainer.close()
-    assert calls and all(len(shape) == 2 and shape[0] <= 4 and dt == torch.float32 for shape, dt in calls), calls
-    assert sum(shape[0] for shape, _ in calls) == int(batch.response_mask.sum())  # response rows only
+    assert trainer.ref.select_rows
+    n_resp = int(batch.response_mask.sum())
+    assert sum(head_rows) == n_resp, head_rows  # the LM head saw response positions only
+    assert calls and all(len(shape) == 2 and chunk == 4 for shape, chunk in calls), calls
+    assert sum(shape[0] for shape, _ in calls) == n_resp
     assert ref_logp.dtype == torch.float32
     torch.testing.assert_close(ref_logp, student_logp, rtol=1e-5, atol=1e-5)
     assert bool((ref_logp[~batch.response_mask] == 0).all())

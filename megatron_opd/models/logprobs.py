@@ -103,7 +103,7 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             raise ValueError(f"logits: non-finite token log-prob at flat position {bad} (NaN/inf logits)")
         ctx.save_for_backward(logits, local_t, in_shard, lse)
         ctx.n_valid, ctx.chunk_size, ctx.temperature = n_valid, chunk_size, temperature
-        return logp.to(logits.dtype) if logits.dtype != acc else logp
+        return logp  # fp32 (fp64 for fp64 logits) whatever the logits' dtype: bf16 would round a log-prob by ~1e-2
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -147,7 +147,8 @@ def vocab_parallel_token_logprobs(
     logits. Targets outside ``[0, vocab_size)`` are an error. ``temperature`` (> 0): the sampling
     temperature, applied chunk by chunk (no scaled copy of the whole logits). ``on_nonfinite``:
     ``"raise"`` (ValueError on a NaN/inf log-prob) or ``"return"`` (return it, so the caller can make
-    every rank agree to skip the step instead of one rank dying mid-collective).
+    every rank agree to skip the step instead of one rank dying mid-collective). The result is fp32
+    for fp32/bf16/fp16 logits (fp64 for fp64): the softmax accumulates in fp32 and is not rounded back.
     """
     if logits_shard.shape[:-1] != target_ids.shape:
         raise ValueError(f"target_ids: shape {tuple(target_ids.shape)} does not match logits "
@@ -229,8 +230,10 @@ def forward_logits(
     position_ids: Optional[torch.Tensor] = None,
     attention_mask: Optional[torch.Tensor] = None,
     packed_seq_params: Any = None,
+    rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """``[B, S, V/tp]`` logits from a model that is both first and last pipeline stage.
+    """``[B, S, V/tp]`` logits from a model that is both first and last pipeline stage (``[1, N, V/tp]``
+    at ``rows`` only, for a model prepared by ``enable_logit_rows``).
 
     ``attention_mask`` None means plain causal (right padding needs nothing more, see module doc).
     """
@@ -243,7 +246,8 @@ def forward_logits(
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     kwargs = {"packed_seq_params": packed_seq_params} if packed_seq_params is not None else {}
-    return model(input_ids, position_ids, attention_mask, **kwargs)
+    with logit_rows(model, rows):
+        return model(input_ids, position_ids, attention_mask, **kwargs)
 
 
 def forward_logprobs(
@@ -274,6 +278,56 @@ def forward_logprobs(
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
+def _row_select_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    rows = getattr(module, "_opd_logit_rows", None)
+    if rows is None:
+        return None
+    s_idx, b_idx = rows
+    hidden = args[0] if args else kwargs.pop("input_")
+    return (hidden[s_idx, b_idx].unsqueeze(1), *args[1:]), kwargs
+
+
+def enable_logit_rows(model: torch.nn.Module) -> bool:
+    """Let this model's output layer compute logits at chosen positions only (``logit_rows``).
+
+    Why: the trainer needs logits at response positions alone, yet GPTModel applies the LM head to
+    every position: prompt positions cost an LM-head GEMM, a ``[S, V/tp]`` logits tensor and its
+    gradient for nothing (the vocabulary GEMM is ~1/4 of a 135M model's FLOPs). A forward pre-hook on
+    ``output_layer`` gathers the selected hidden states ``[N, H]`` and feeds them as ``[N, 1, H]``,
+    so the model returns ``[1, N, V/tp]``. State dict and weights are untouched. Not with sequence
+    parallelism (the output layer gathers the sequence itself) or multi-token prediction; returns
+    whether it was enabled (False on a non-last pipeline stage, which has no output layer)."""
+    inner = _unwrap(model)
+    layer = getattr(inner, "output_layer", None)
+    if layer is None or not getattr(inner, "post_process", True):
+        return False
+    if getattr(layer, "sequence_parallel", False) or getattr(inner.config, "mtp_num_layers", None):
+        return False
+    if not getattr(layer, "_opd_rows_hook", False):
+        layer.register_forward_pre_hook(_row_select_hook, with_kwargs=True)
+        layer._opd_rows_hook = True
+    return True
+
+
+class logit_rows:
+    """Context: while active, a model prepared by ``enable_logit_rows`` returns logits only at
+    ``rows = (s_idx, b_idx)`` ([N] index tensors into the [S, B] grid), shaped ``[1, N, V/tp]``.
+    ``rows`` None: a no-op (full logits)."""
+
+    def __init__(self, model: torch.nn.Module, rows: Optional[tuple[torch.Tensor, torch.Tensor]]):
+        self.layer = getattr(_unwrap(model), "output_layer", None) if rows is not None else None
+        self.rows = rows
+
+    def __enter__(self) -> "logit_rows":
+        if self.layer is not None and getattr(self.layer, "_opd_rows_hook", False):
+            self.layer._opd_logit_rows = self.rows
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.layer is not None:
+            self.layer._opd_logit_rows = None
+
+
 def forward_backward(
     model: torch.nn.Module,
     microbatches: list[dict],
@@ -289,6 +343,8 @@ def forward_backward(
     passes the same list. On the last stage ``loss_fn(logits [b, S, V/tp], microbatch)`` returns
     ``(scalar loss, dict of tensors to report)``; megatron averages the loss over microbatches before
     backward. Returns the reported dicts (last pipeline stage; ``[]`` elsewhere). Works for PP=1 too.
+    A microbatch's ``logit_rows`` (see ``logit_rows``), if present, restricts its logits to those
+    positions: ``loss_fn`` then gets ``[1, N, V/tp]``.
     ``prepare(microbatch)``, if given, runs right before each microbatch's forward on this stage
     (the trainer computes that micro-batch's reference logits there, so only one is ever held).
     """
@@ -310,7 +366,8 @@ def forward_backward(
         pos = mb.get("position_ids")
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        out = mdl(ids, pos, mb.get("attention_mask"))
+        with logit_rows(mdl, mb.get("logit_rows")):
+            out = mdl(ids, pos, mb.get("attention_mask"))
 
         def loss_func(output_tensor: torch.Tensor):
             return loss_fn(output_tensor, mb)
@@ -330,7 +387,7 @@ def forward_backward(
 
 
 __all__ = [
-    "LossFn", "forward_backward",
+    "LossFn", "enable_logit_rows", "forward_backward", "logit_rows",
     "Reduce", "default_tp_group", "forward_logits", "forward_logprobs", "iter_logit_chunks",
     "mask_vocab_padding", "model_vocab_size", "vocab_parallel_reduce", "vocab_parallel_token_logprobs",
 ]

@@ -10,9 +10,10 @@ from megatron_opd.rollout.base import (EOSMismatchError, RolloutEngine, Sample, 
 
 def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
                         eos_token_ids: Optional[list[int]] = None, pad_token_id: Optional[int] = None,
-                        log_path: Optional[str] = None) -> RolloutEngine:
+                        log_path: Optional[str] = None, dtype: Optional[Any] = None) -> RolloutEngine:
     """The one place rollout engines are built (trainer, eval, demo), from a `RolloutConfig`:
-      * backend=local: LocalEngine on `model` if given, else loaded from `hf_path`.
+      * backend=local: LocalEngine on `model` if given, else loaded from `hf_path` in `dtype` (default
+        fp32; the trainer passes the student's) on CUDA when available, decoding with rollout.num_threads.
       * backend=sglang, sglang_mode=engine: in-process sglang.Engine (mem_fraction_static and
         rollout.sglang_args as keyword arguments; with
         colocate=true on CUDA, SGLang's memory saver so the trainer can release/resume it).
@@ -24,10 +25,15 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
     if cfg.backend == "local":
         from megatron_opd.rollout.local import LocalEngine
 
+        import torch
+
         eos = eos_token_ids or eos_ids_from(hf_path)
+        threads = getattr(cfg, "num_threads", 0)
         if model is not None:
-            return LocalEngine(model, eos_token_ids=eos, pad_token_id=pad_token_id)
-        return LocalEngine.from_pretrained(hf_path, eos_token_ids=eos, pad_token_id=pad_token_id)
+            return LocalEngine(model, eos_token_ids=eos, pad_token_id=pad_token_id, num_threads=threads)
+        return LocalEngine.from_pretrained(hf_path, dtype=dtype or torch.float32, eos_token_ids=eos,
+                                           pad_token_id=pad_token_id, num_threads=threads,
+                                           device="cuda" if torch.cuda.is_available() else "cpu")
     if cfg.backend == "sglang":
         import torch
 

@@ -14,6 +14,7 @@ Log-prob semantics (per generated token y_t):
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -45,6 +46,13 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def default_decode_threads() -> int:
+    """Torch threads for decoding: 1 on a host with <= 4 cores, else 0 (torch's own choice). Decoding runs
+    many tiny GEMMs; with two threads on a 2-core host a decode step stalled 5-10x whenever anything else
+    ran (each step waits for its slowest thread), while one thread kept its pace."""
+    return 1 if (os.cpu_count() or 1) <= 4 else 0
+
+
 class LocalEngine:
     """RolloutEngine on an HF causal LM (see module docstring for log-prob semantics).
 
@@ -54,9 +62,12 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: Optional[Iterable[int]] = None,
                  pad_token_id: Optional[int] = None, max_batch_size: int = 64, weight_version: int = 0,
-                 check_finite_weights: bool = True):
+                 check_finite_weights: bool = True, num_threads: int = 0):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
+        if num_threads < 0:
+            raise ValueError(f"num_threads: must be >= 0 (0: auto), got {num_threads}")
+        self.num_threads = num_threads or default_decode_threads()
         self.model = model.eval()
         self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
         cfg = getattr(model, "config", None)
@@ -113,8 +124,13 @@ class LocalEngine:
         stop = set(self.eos_token_ids) | set(sampling.stop_token_ids)
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         out: list[Sample] = []
-        for start in range(0, len(rows), self.max_batch_size):
-            out.extend(self._generate_batch(rows[start:start + self.max_batch_size], sampling, stop, gen))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads or threads)
+        try:
+            for start in range(0, len(rows), self.max_batch_size):
+                out.extend(self._generate_batch(rows[start:start + self.max_batch_size], sampling, stop, gen))
+        finally:
+            torch.set_num_threads(threads)
         return out
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:

@@ -37,10 +37,29 @@ class TrainBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # [B, T, ...]: teacher_logp, ref_logp, old_logp ...
     ref_logits: Optional[torch.Tensor] = None  # [N, V/tp] reference logits of the N valid tokens (full KL;
     # model dtype, set on a micro-batch just before its forward and dropped after its loss)
+    source_rows: Optional[torch.Tensor] = None  # [B] a micro-batch's rows in its step batch (-1: padding row)
 
     @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """This batch with every tensor on `device` (the model's; a no-op copy-free view when already there)."""
+        def mv(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if x is None else x.to(device, non_blocking=True)
+
+        return TrainBatch(
+            tokens=mv(self.tokens), position_ids=mv(self.position_ids), response_index=mv(self.response_index),
+            response_ids=mv(self.response_ids), response_mask=mv(self.response_mask), is_golden=mv(self.is_golden),
+            truncated=mv(self.truncated), behaviour_logp=mv(self.behaviour_logp),
+            extras={k: mv(v) for k, v in self.extras.items()}, ref_logits=mv(self.ref_logits),
+            source_rows=mv(self.source_rows))
+
+    def response_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, t, pos) of the N valid response tokens in row-major order: `pos = response_index[b, t]` is
+        the position whose logits predict token (b, t), i.e. where the LM head is needed."""
+        b_idx, t_idx = self.response_mask.nonzero(as_tuple=True)
+        return b_idx, t_idx, self.response_index[b_idx, t_idx]
 
     def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
         """A sub-batch (minibatch) with the same layout; T and L are trimmed to what the rows need."""
@@ -138,7 +157,8 @@ def pad_batch(batch: TrainBatch, rows: int, length: int) -> TrainBatch:
         response_mask=grow(batch.response_mask, False), is_golden=grow(batch.is_golden, False),
         truncated=grow(batch.truncated, False),
         behaviour_logp=None if batch.behaviour_logp is None else grow(batch.behaviour_logp),
-        extras={k: grow(v) for k, v in batch.extras.items()}, ref_logits=batch.ref_logits)
+        extras={k: grow(v) for k, v in batch.extras.items()}, ref_logits=batch.ref_logits,
+        source_rows=None if batch.source_rows is None else grow(batch.source_rows, -1))
 
 
 def gather_response(per_position: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

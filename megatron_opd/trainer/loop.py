@@ -113,6 +113,7 @@ class Trainer:
         self.reports_metrics = self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
         self.out_dir = Path(cfg.logging.out_dir)
         self.beta_kl = cfg.algo.beta_kl
+        self._derived: dict[str, torch.Tensor] = {}
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -164,7 +165,9 @@ class Trainer:
             hf_config = AutoConfig.from_pretrained(self.cfg.model.hf_path)
         if state_dict is None:
             state_dict = load_hf_state_dict(self.cfg.model.hf_path)
-        return MegatronPolicy(hf_config, state_dict, self.cfg, trainable=False)
+        dtype = self.cfg.model.ref_params_dtype
+        return MegatronPolicy(hf_config, state_dict, self.cfg, trainable=False,
+                              params_dtype=None if dtype == "same" else dtype)
 
     def _ensure_ref(self) -> None:
         if self.beta_kl > 0 and self.ref is None:
@@ -187,8 +190,8 @@ class Trainer:
                                  "teacher with teacher.backend=sglang")
             check_eos_compat(self.cfg.model.hf_path, t.hf_path)
             self.teacher_policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path), load_hf_state_dict(t.hf_path),
-                                                 replace(self.cfg, model=replace(self.cfg.model, params_dtype="auto")),
-                                                 trainable=False, temperature=1.0)  # the teacher's own distribution
+                                                 self.cfg, trainable=False, params_dtype=t.params_dtype,
+                                                 temperature=1.0)  # the teacher's own distribution
         elif self.rank == 0:
             if t.backend == "hf":
                 from megatron_opd.teacher.hf import HFTeacher
@@ -229,7 +232,8 @@ class Trainer:
         from megatron_opd.rollout import make_rollout_engine
 
         return make_rollout_engine(self.cfg.rollout, self.cfg.model.hf_path, pad_token_id=self.pad_id,
-                                   log_path=str(self.out_dir / "logs" / "sglang_rollout.log"))
+                                   log_path=str(self.out_dir / "logs" / "sglang_rollout.log"),
+                                   dtype=self.student.dtype)
 
     def _load_eval_sets(self) -> dict[str, Any]:
         from megatron_opd.eval.benchmarks import load_benchmark
@@ -362,6 +366,8 @@ class Trainer:
         size = min(self.cfg.train.micro_batch_size, len(rows))
         chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
         parts = [batch.select(c) for c in chunks]
+        for part, c in zip(parts, chunks):
+            part.source_rows = torch.as_tensor(c, dtype=torch.long)
         length = round_up(max(p.tokens.shape[1] for p in parts), self.student.seq_multiple)
         return [pad_batch(part, size, length) for part in parts]
 
@@ -394,6 +400,14 @@ class Trainer:
         scale = self.dp_size * n_micro
 
         def loss_fn(logp, resp_logits, batch, logits):
+            if "old_logp" not in batch.extras:  # pi_old from this forward (`_reuse_old_logp`)
+                batch.extras["old_logp"] = logp.detach()
+                self._write_back("old_logp", batch)
+            if full_kl and batch.ref_logits is not None and "ref_logp" not in batch.extras:
+                # the reference's token log-probs from the logits the full KL needs anyway (no 2nd forward)
+                with torch.no_grad():
+                    batch.extras["ref_logp"] = self.student.rows_token_logp(batch.ref_logits.float(), batch)
+                self._write_back("ref_logp", batch)
             student_topk = None
             if "teacher_topk_ids" in batch.extras:
                 student_topk = self.student.topk_logp(logits, batch, batch.extras["teacher_topk_ids"])
@@ -411,6 +425,28 @@ class Trainer:
 
         return loss_fn, full_kl
 
+    def _reuse_old_logp(self, batch_size: int) -> bool:
+        """pi_old = the training forward's detached log-probs, instead of a separate scoring pass, when
+        the step makes exactly one update (ppo_epochs=1, one minibatch): the policy that forward runs is
+        the one that generated the rollouts' weights, so the importance ratio is exactly 1 either way.
+        Not with adv_normalize (its whitening statistics need every pi_old before the first loss) nor
+        with dropout (a training forward would differ from a scoring one). train.reuse_old_logp=false
+        always scores pi_old separately."""
+        algo = self.cfg.algo
+        return (self.cfg.train.reuse_old_logp and algo.ppo_epochs == 1 and min(algo.num_minibatches, batch_size) == 1
+                and not algo.adv_normalize and self.student.dropout_free)
+
+    def _write_back(self, key: str, micro: TrainBatch) -> None:
+        """Copy a micro-batch's per-token `micro.extras[key]` into this step's `self._derived[key]` [B, T]
+        (the step batch's layout, on the CPU), so metrics see it as if it had been scored up front."""
+        sink = self._derived.get(key)
+        if sink is None or micro.source_rows is None:
+            return
+        src = micro.source_rows.cpu()
+        keep = src >= 0
+        vals = micro.extras[key].detach().float().cpu()[keep]
+        sink[src[keep], : vals.shape[1]] = vals
+
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
@@ -424,20 +460,25 @@ class Trainer:
         batch = build_batch([items[i] for i in rows], self.pad_id, pad_to_multiple=self.student.seq_multiple)
         self._attach_scores(batch, payload, rows)
         mbs = cfg.train.micro_batch_size
-        old_logp, _ = self.student.score(batch, micro_batch_size=mbs)
+        reuse = self._reuse_old_logp(batch.batch_size)
+        full_kl = self.beta_kl > 0 and cfg.algo.kl_estimator == "full"
+        # per-token inputs the loss closures fill in themselves (see _loss_fn), collected here for metrics
+        # (NaN until written: a micro-batch whose update is skipped before its loss leaves them non-finite)
+        self._derived = {k: torch.zeros(batch.response_mask.shape).masked_fill(batch.response_mask, float("nan"))
+                         for k, on in (("old_logp", reuse), ("ref_logp", full_kl and self.ref is not None)) if on}
+        old_logp = None if reuse else self.student.score(batch, micro_batch_size=mbs)[0]
         if self.teacher_policy is not None:
             batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
             self._attach_teacher_topk(batch)
-        full_kl = self.beta_kl > 0 and cfg.algo.kl_estimator == "full"
-        if self.ref is not None:  # token log-probs only; full-KL logits are computed per micro-batch below
+        if self.ref is not None and not full_kl:  # full KL: ref log-probs come with its per-micro-batch logits
             ref_logp, _ = self.ref.score(batch, micro_batch_size=mbs)
             if ref_logp is not None:
                 batch.extras["ref_logp"] = ref_logp
-        if self.is_last_stage:
-            batch.extras["old_logp"] = old_logp
-        else:  # non-last stages only run the model body; the loss lives on the last stage
+        if not self.is_last_stage:  # non-last stages only run the model body; the loss lives on the last stage
             batch.extras["old_logp"] = torch.zeros(batch.response_mask.shape)
             batch.extras.setdefault("teacher_logp", torch.zeros(batch.response_mask.shape))
+        elif old_logp is not None:
+            batch.extras["old_logp"] = old_logp
 
         t1 = time.time()
         train_stats: list[dict[str, float]] = []
@@ -451,6 +492,9 @@ class Trainer:
                 ref_source = self._ref_logits_source(micro) if full_kl else None
                 train_stats.append(self.student.train_minibatch(micro, loss_fn, want_logits, ref_logits=ref_source))
         t_train = time.time() - t1
+        if self.is_last_stage:
+            batch.extras.update(self._derived)
+        self._derived = {}
 
         t2 = time.time()
         self.weight_version += 1

@@ -13,14 +13,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_opd.config import Config
-from megatron_opd.trainer.batch import TrainBatch, gather_response, pad_batch, round_up, seq_len_multiple
+from megatron_opd.trainer.batch import TrainBatch, pad_batch, round_up, seq_len_multiple
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
-# Response rows per fp32 log-softmax chunk when a frozen model scores: bounds the fp32 temporaries to
-# FROZEN_LOGP_CHUNK x V/tp (~0.3 GB at V=152k) whatever the batch.
+# Response rows per fp32 log-softmax chunk: bounds the fp32 temporaries to FROZEN_LOGP_CHUNK x V/tp
+# (~0.3 GB at V=152k) whatever the batch.
 FROZEN_LOGP_CHUNK = 512
 
 
@@ -31,22 +31,28 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 class MegatronPolicy:
-    """A GPTModel shard for this rank with HF weights loaded; trainable (student) or frozen (reference)."""
+    """A GPTModel shard for this rank with HF weights loaded; trainable (student) or frozen (reference).
+
+    Logits are only ever computed at response positions (`models.logprobs.enable_logit_rows`; not with
+    sequence parallelism, where the full logits are gathered down to those rows instead): every per-token
+    quantity here works on `[N, V/tp]` rows, N = the micro-batch's valid response tokens."""
 
     def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], cfg: Config, *,
-                 trainable: bool, total_steps: int = 1, temperature: Optional[float] = None):
+                 trainable: bool, total_steps: int = 1, temperature: Optional[float] = None,
+                 params_dtype: Optional[str] = None):
         from megatron.core import parallel_state as ps
 
         from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
-        from megatron_opd.models.logprobs import default_tp_group, vocab_parallel_reduce
+        from megatron_opd.models.logprobs import default_tp_group, enable_logit_rows, vocab_parallel_reduce
         from megatron_opd.models.optimizer import setup_training
         from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
 
         self.cfg = cfg
         self.hf_config = hf_config
         self.trainable = trainable
+        self.dtype = resolve_dtype(params_dtype or cfg.model.params_dtype)
         builder = build_gpt_model if trainable else build_forward_only_model
-        model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=resolve_dtype(cfg.model.params_dtype),
+        model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=self.dtype,
                         fp8=cfg.model.fp8, sequence_parallel=cfg.parallel.sequence_parallel,
                         recompute_activations=cfg.model.recompute_activations)
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -56,6 +62,8 @@ class MegatronPolicy:
         load_megatron_state_dict(model, sd)
         self.setup = setup_training(model, cfg.optim, total_steps, check_for_nan_in_grad=False) if trainable else None
         self.model = self.setup.model if trainable else model
+        self.device = next(model.parameters()).device
+        self.select_rows = enable_logit_rows(self.model)
         self.tp_group = default_tp_group()
         self.reduce = vocab_parallel_reduce(self.tp_group)
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -66,44 +74,61 @@ class MegatronPolicy:
         # rollout engine samples from (student, pi_old and the reference; a teacher passes 1.0).
         self.temperature = float(cfg.rollout.temperature if temperature is None else temperature)
 
+    @property
+    def dropout_free(self) -> bool:
+        """No dropout anywhere: a training-mode forward gives the same log-probs as a scoring one."""
+        c = unwrap_config(self.model)
+        return not (getattr(c, "hidden_dropout", 0.0) or getattr(c, "attention_dropout", 0.0))
+
     # -- per-token pieces on the last stage ---------------------------------------------------
 
+    def micro_dict(self, batch: TrainBatch) -> dict[str, Any]:
+        """A micro-batch for `models.logprobs.forward_backward`: the batch on this model's device and the
+        response positions whose logits are needed (at least one, so the LM head always runs)."""
+        batch = batch.to(self.device)
+        mb: dict[str, Any] = {"input_ids": batch.tokens, "position_ids": batch.position_ids, "batch": batch}
+        if self.select_rows:
+            b_idx, _, pos = batch.response_rows()
+            if b_idx.numel() == 0:
+                b_idx, pos = b_idx.new_zeros(1), pos.new_zeros(1)
+            mb["logit_rows"] = (pos, b_idx)
+        return mb
+
+    def _rows(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[N, V/tp] logits of the N valid response tokens (row-major), from the model's output: already
+        those rows with `select_rows` ([1, >=N, V/tp]), else gathered from [B, S, V/tp]."""
+        b_idx, _, pos = batch.response_rows()
+        if self.select_rows:
+            return logits[0, : b_idx.numel()]
+        return logits[b_idx, pos]
+
+    def _scatter(self, values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """[N, ...] per-token values -> [B, T, ...] response layout (zeros at padding); differentiable."""
+        b_idx, t_idx, _ = batch.response_rows()
+        out = values.new_zeros((*batch.response_mask.shape, *values.shape[1:]))
+        return out.index_put((b_idx, t_idx), values)
+
     def _token_logp(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        """fp32 log-probs [B, T] of the response tokens under softmax(logits / T). The softmax walks
+        FROZEN_LOGP_CHUNK rows at a time in fp32 (no whole fp32 copy of the logits); differentiable."""
+        return self.rows_token_logp(self._rows(logits, batch), batch, self.temperature)
+
+    def rows_token_logp(self, rows: torch.Tensor, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+        """[B, T] fp32 log-probs of the response tokens from their [N, V/tp] logit rows (see `_rows`)."""
         from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
 
-        if not self.trainable:
-            return self._frozen_token_logp(logits, batch)
-        targets = torch.roll(batch.tokens, shifts=-1, dims=1)
-        logp = vocab_parallel_token_logprobs(logits, targets, self.tp_group,
-                                             vocab_size=self.vocab_size, temperature=self.temperature,
+        b_idx, _, pos = batch.response_rows()
+        vals = vocab_parallel_token_logprobs(rows, batch.tokens[b_idx, pos + 1], self.tp_group,
+                                             vocab_size=self.vocab_size, temperature=temperature,
+                                             chunk_size=FROZEN_LOGP_CHUNK,
                                              on_nonfinite="return")  # NaN -> every rank skips (train_minibatch)
-        return gather_response(logp, batch)
-
-    def _frozen_token_logp(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        """fp32 log-probs [B, T] of the response tokens only, for a frozen model (no autograd): the
-        response rows' logits are gathered FROZEN_LOGP_CHUNK rows at a time and upcast chunk by chunk,
-        so neither prompt positions nor a whole fp32 [b, S, V/tp] copy of the logits are materialised."""
-        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
-
-        b_idx, t_idx = batch.response_mask.nonzero(as_tuple=True)
-        pos = batch.response_index[b_idx, t_idx]
-        targets = batch.tokens[b_idx, pos + 1]
-        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32, device=logits.device)
-        n, c = int(b_idx.numel()), FROZEN_LOGP_CHUNK
-        vals = [vocab_parallel_token_logprobs(logits[b_idx[s:s + c], pos[s:s + c]].float(), targets[s:s + c],
-                                              self.tp_group, vocab_size=self.vocab_size,
-                                              temperature=self.temperature, on_nonfinite="return")
-                for s in range(0, n, c)]
-        if vals:
-            out[b_idx, t_idx] = torch.cat(vals)
-        return out
+        return self._scatter(vals, batch)
 
     def response_logits(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked)."""
         from megatron_opd.models.logprobs import mask_vocab_padding
 
-        b_idx, t_idx = batch.response_mask.nonzero(as_tuple=True)
-        rows = logits[b_idx, batch.response_index[b_idx, t_idx]]
+        rows = self._rows(logits, batch)
         if self.temperature != 1.0:
             rows = rows / self.temperature
         return mask_vocab_padding(rows, self.vocab_size, self.tp_group)
@@ -112,15 +137,14 @@ class MegatronPolicy:
         """Student log-probs of the teacher's top-k ids, [B, T, K] in the response layout."""
         from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
 
-        B, L = batch.tokens.shape
-        out = []
-        for k in range(topk_ids.shape[-1]):
-            targets = torch.zeros((B, L), dtype=torch.long)
-            targets.scatter_(1, batch.response_index, topk_ids[..., k] * batch.response_mask)
-            lp = vocab_parallel_token_logprobs(logits, targets, self.tp_group, vocab_size=self.vocab_size,
-                                               temperature=self.temperature, on_nonfinite="return")
-            out.append(gather_response(lp, batch))
-        return torch.stack(out, dim=-1)
+        b_idx, t_idx, _ = batch.response_rows()
+        rows = self._rows(logits, batch)
+        ids = topk_ids.to(rows.device)[b_idx, t_idx]
+        out = [vocab_parallel_token_logprobs(rows, ids[:, k], self.tp_group, vocab_size=self.vocab_size,
+                                             temperature=self.temperature, chunk_size=FROZEN_LOGP_CHUNK,
+                                             on_nonfinite="return")
+               for k in range(ids.shape[-1])]
+        return self._scatter(torch.stack(out, dim=-1), batch)
 
     @torch.no_grad()
     def score_topk(self, batch: TrainBatch, k: int, rows: torch.Tensor, micro_batch_size: int = 8
@@ -146,13 +170,12 @@ class MegatronPolicy:
                 sel = picked[start:start + micro_batch_size]
                 mb = batch.select(sel)
                 mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
-                want = mb.response_mask
 
-                def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb, want: torch.Tensor = want,
-                            sel: list[int] = sel):
-                    b_idx, t_idx = want.nonzero(as_tuple=True)
+                def loss_fn(logits: torch.Tensor, mbd: dict, sel: list[int] = sel):
+                    mb = mbd["batch"]
+                    b_idx, t_idx, _ = mb.response_rows()
                     if b_idx.numel():
-                        z = logits[b_idx, mb.response_index[b_idx, t_idx]].float()
+                        z = self._rows(logits, mb).float()
                         if self.temperature != 1.0:
                             z = z / self.temperature
                         tid, tlp = vocab_parallel_topk(z, k, self.vocab_size, self.tp_group)
@@ -161,8 +184,7 @@ class MegatronPolicy:
                         lp_out[rows_b, t_idx.cpu()] = tlp.cpu()
                     return logits.new_zeros(()), {}
 
-                forward_backward(self.model, [{"input_ids": mb.tokens, "position_ids": mb.position_ids}], loss_fn,
-                                 forward_only=True)
+                forward_backward(self.model, [self.micro_dict(mb)], loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
         return ids_out, lp_out
@@ -172,7 +194,8 @@ class MegatronPolicy:
     @torch.no_grad()
     def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8
               ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(logp [B, T], response logits [N, V/tp] or None) on the last stage; (None, None) elsewhere.
+        """(logp [B, T] fp32 on the CPU, response logits [N, V/tp] or None) on the last stage; (None, None)
+        elsewhere.
 
         Memory: `want_logits` keeps [N, V/tp] in the model's dtype for all N response tokens of
         `batch`; the trainer asks for it per micro-batch (`response_logits_for`), never per step."""
@@ -187,14 +210,14 @@ class MegatronPolicy:
                 mb = batch.select(list(range(start, min(batch.batch_size, start + micro_batch_size))))
                 mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
 
-                def loss_fn(logits: torch.Tensor, _mb: dict, mb: TrainBatch = mb):
-                    logps.append(_pad_t(self._token_logp(logits, mb), batch.response_mask.shape[1]))
+                def loss_fn(logits: torch.Tensor, mbd: dict):
+                    mb = mbd["batch"]
+                    logps.append(_pad_t(self._token_logp(logits, mb).cpu(), batch.response_mask.shape[1]))
                     if want_logits:  # model dtype: full_kl upcasts chunk by chunk
                         logits_out.append(self.response_logits(logits, mb))
                     return logits.new_zeros(()), {}
 
-                forward_backward(self.model, [{"input_ids": mb.tokens, "position_ids": mb.position_ids}], loss_fn,
-                                 forward_only=True)
+                forward_backward(self.model, [self.micro_dict(mb)], loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
         if not self.is_last_stage:
@@ -205,14 +228,15 @@ class MegatronPolicy:
     def micro_response_logits(self, batch: TrainBatch) -> torch.Tensor:
         """[N, V/tp] response logits (model dtype) of one micro-batch, from a direct forward of this
         whole model (PP=1 only): what the trainer calls inside the student's schedule, right before
-        the student's forward of the same micro-batch. The [b, S, V/tp] logits are freed on return."""
+        the student's forward of the same micro-batch. Only the response rows' logits are computed."""
         from megatron_opd.models.logprobs import forward_logits
 
         was_training = self.model.training
         self.model.eval()
         try:
-            logits = forward_logits(self.model, batch.tokens, batch.position_ids)
-            return self.response_logits(logits, batch)
+            mbd = self.micro_dict(batch)
+            logits = forward_logits(self.model, mbd["input_ids"], mbd["position_ids"], rows=mbd.get("logit_rows"))
+            return self.response_logits(logits, mbd["batch"])
         finally:
             self.model.train(was_training)
 
@@ -230,8 +254,7 @@ class MegatronPolicy:
                 out.append(self.response_logits(logits, mbd["batch"]))
                 return logits.new_zeros(()), {}
 
-            forward_backward(self.model, [{"input_ids": b.tokens, "position_ids": b.position_ids, "batch": b}
-                                          for b in micro_batches], loss_fn, forward_only=True)
+            forward_backward(self.model, [self.micro_dict(b) for b in micro_batches], loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
         return out if self.is_last_stage else [None] * len(micro_batches)
@@ -274,8 +297,10 @@ class MegatronPolicy:
         def _prepare(mbd: dict) -> None:
             mbd["batch"].ref_logits = ref_logits(mbd["batch"])
 
-        forward_backward(self.model, [{"input_ids": b.tokens, "position_ids": b.position_ids, "batch": b}
-                                      for b in micro_batches], _loss, prepare=_prepare if ref_logits else None)
+        micro = [self.micro_dict(b) for b in micro_batches]
+        for b in micro_batches:  # the device copies hold them now, each dropped after its loss
+            b.ref_logits = None
+        forward_backward(self.model, micro, _loss, prepare=_prepare if ref_logits else None)
         stats = _mean_stats(per_micro)
         if _broadcast_flag(stats.get("nonfinite_loss", 0.0)):
             zero_grads(self.setup)
@@ -356,6 +381,12 @@ def _unshare_adam_step(opt: Any) -> None:
 
 def _optimizers(opt: Any) -> list[Any]:
     return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def unwrap_config(model: Any) -> Any:
+    from megatron_opd.models.optimizer import unwrap
+
+    return unwrap(model).config
 
 
 def _uses_te_names(model: torch.nn.Module) -> bool:
