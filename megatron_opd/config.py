@@ -89,8 +89,9 @@ class RolloutConfig:
     # this is true, which then only warns.
     allow_truncated_sampling: bool = False
     seed: int = 1234
-    # backend=local: torch threads while decoding (0: auto = 1 on a machine with <= 4 cores, where a second
-    # decode thread stalled 5-10x whenever the host was busy, else torch's default); restored afterwards
+    # backend=local: torch threads while decoding, restored afterwards. 0 (auto): torch's own, dropping to
+    # one thread when a decode step stalls (> 3x the call's fastest: another process took a core; two threads
+    # then ran 5-10x slower than one on a 2-core host); rollout/local.py STALL_*
     num_threads: int = 0
     sync_bucket_mb: int = 512
     colocate: bool = True

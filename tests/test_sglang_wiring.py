@@ -265,7 +265,7 @@ def test_trainer_builds_engine_and_syncs_through_the_factory(standin, tmp_path, 
                         lambda c, path, **k: real(c, path, **{**k, "eos_token_ids": [31]}))
     t = object.__new__(Trainer)
     t.cfg, t.rank, t.pad_id, t.out_dir, t.weight_version = cfg, 0, 0, tmp_path, 0
-    t.student = types.SimpleNamespace(iter_hf_weights=lambda: _weights(3.0))
+    t.student = types.SimpleNamespace(iter_hf_weights=lambda: _weights(3.0), dtype=torch.float32)
     t.engine = t._build_engine()
     assert isinstance(t.engine, SGLangEngine) and t.engine.url == srv.url and t.engine.server is None
     t._release_engine()  # disaggregated: nothing to release

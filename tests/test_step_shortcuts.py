@@ -195,10 +195,33 @@ def test_local_engine_decodes_with_its_thread_count(setup, monkeypatch):
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(before)
-    monkeypatch.setattr(local_mod.os, "cpu_count", lambda: 2)
-    assert local_mod.default_decode_threads() == 1
-    monkeypatch.setattr(local_mod.os, "cpu_count", lambda: 64)
-    assert local_mod.default_decode_threads() == 0
+
+    # auto (0): torch's threads, and one thread once a decode step stalls (simulated: a slow step 6)
+    auto = LocalEngine(engine.model, num_threads=0)
+    seen.clear()
+    real_auto = auto._forward
+
+    def slow_once(*a):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 7:
+            import time
+
+            time.sleep(max(0.2, 10 * (time.perf_counter() - start)))
+        return real_auto(*a)
+
+    auto._forward = slow_once
+    torch.set_num_threads(2)
+    try:
+        start = __import__("time").perf_counter()
+        auto.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=0, stop_token_ids=[]))
+        assert seen[:7] == [2] * 7 and set(seen[7:]) == {1}, seen
+        assert auto.stalls == 1 and torch.get_num_threads() == 2
+        seen.clear()
+        auto.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))
+        assert set(seen) == {1}  # the next calls start on one thread
+    finally:
+        torch.set_num_threads(before)
+    assert local_mod.STALL_CALLS >= 1
     with pytest.raises(ValueError, match="num_threads"):
         LocalEngine(engine.model, num_threads=-1)
     from megatron_opd.config import ConfigError

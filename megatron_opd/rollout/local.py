@@ -14,7 +14,7 @@ Log-prob semantics (per generated token y_t):
 from __future__ import annotations
 
 import inspect
-import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -46,11 +46,10 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
-def default_decode_threads() -> int:
-    """Torch threads for decoding: 1 on a host with <= 4 cores, else 0 (torch's own choice). Decoding runs
-    many tiny GEMMs; with two threads on a 2-core host a decode step stalled 5-10x whenever anything else
-    ran (each step waits for its slowest thread), while one thread kept its pace."""
-    return 1 if (os.cpu_count() or 1) <= 4 else 0
+# Decode-stall guard (num_threads=0): a decode step slower than STALL_FACTOR x the fastest one of the same
+# call means another process took a core (every step waits for its slowest thread); the call finishes
+# on one thread and the next STALL_CALLS calls start on one.
+STALL_FACTOR, STALL_WARMUP, STALL_CALLS = 3.0, 3, 3
 
 
 class LocalEngine:
@@ -67,7 +66,9 @@ class LocalEngine:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
         if num_threads < 0:
             raise ValueError(f"num_threads: must be >= 0 (0: auto), got {num_threads}")
-        self.num_threads = num_threads or default_decode_threads()
+        self.num_threads = num_threads
+        self.stalls = 0  # decode calls that fell back to one thread (num_threads=0)
+        self._single_calls = 0
         self.model = model.eval()
         self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
         cfg = getattr(model, "config", None)
@@ -125,7 +126,11 @@ class LocalEngine:
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
         out: list[Sample] = []
         threads = torch.get_num_threads()
-        torch.set_num_threads(self.num_threads or threads)
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        elif self._single_calls > 0:
+            self._single_calls -= 1
+            torch.set_num_threads(1)
         try:
             for start in range(0, len(rows), self.max_batch_size):
                 out.extend(self._generate_batch(rows[start:start + self.max_batch_size], sampling, stop, gen))
@@ -172,6 +177,8 @@ class LocalEngine:
         raws: list[list[float]] = [[] for _ in rows]
         reason = ["length"] * len(rows)
         alive = list(range(len(rows)))  # batch row j decodes sample alive[j]
+        guard = self.num_threads == 0 and dev.type == "cpu" and torch.get_num_threads() > 1
+        fastest = float("inf")
         for step in range(sp.max_new_tokens):
             tok, lp, raw = self._sample(logits, sp, gen)
             keep = []
@@ -192,7 +199,16 @@ class LocalEngine:
                 mask, tok, next_pos = mask[idx], tok[idx], next_pos[idx]
                 alive = [alive[j] for j in keep]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+            t = time.perf_counter()
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
+            if guard:
+                took = time.perf_counter() - t
+                if step >= STALL_WARMUP and took > STALL_FACTOR * fastest:
+                    torch.set_num_threads(1)
+                    self.stalls += 1
+                    self._single_calls = STALL_CALLS
+                    guard = False
+                fastest = min(fastest, took)
             next_pos = next_pos + 1
         return [Sample(prompt_index=i, prompt_ids=list(p), response_ids=resp[r], logprobs=lps[r],
                        finish_reason=reason[r], weight_version=self.weight_version, raw_logprobs=raws[r])

@@ -454,6 +454,7 @@ class Trainer:
         self._last_payload = payload
         self._release_engine()
         t_rollout = time.time() - t0
+        t_score0 = time.time()
         items = payload["items"]
         per_rank = len(items) // self.dp_size
         rows = list(range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))
@@ -481,6 +482,7 @@ class Trainer:
             batch.extras["old_logp"] = old_logp
 
         t1 = time.time()
+        t_score = t1 - t_score0
         train_stats: list[dict[str, float]] = []
         n_mb = min(cfg.algo.num_minibatches, batch.batch_size)
         bounds = [round(i * batch.batch_size / n_mb) for i in range(n_mb + 1)]
@@ -502,7 +504,8 @@ class Trainer:
         t_sync = time.time() - t2
 
         metrics = self._metrics(batch, payload, rows, train_stats)
-        metrics.update({"time/rollout_s": t_rollout, "time/train_s": t_train, "time/sync_s": t_sync,
+        metrics.update({"time/rollout_s": t_rollout, "time/score_s": t_score, "time/train_s": t_train,
+                        "time/sync_s": t_sync,
                         "time/step_s": time.time() - t0, "train/beta_kl": self.beta_kl,
                         "train/weight_version": float(self.weight_version)})
         self.step += 1
