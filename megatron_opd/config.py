@@ -41,7 +41,10 @@ class ModelConfig:
     num_attention_heads: Optional[int] = None  # filled from the HF config; set here only to validate early
     num_query_groups: Optional[int] = None
     num_layers: Optional[int] = None
-    recompute_activations: bool = False
+    # activation recompute in training: false; "full" (or true) keeps only each layer's input and reruns the
+    # layer in backward (~1/3 more compute, like TRL's default gradient checkpointing); "selective" reruns
+    # only the core attention (saves the unfused attention scores of the local spec; little with flash)
+    recompute_activations: Union[bool, Literal["selective", "full"]] = False
 
 
 @dataclass

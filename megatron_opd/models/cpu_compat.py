@@ -17,6 +17,8 @@ Shims (each replaces one megatron assumption; see ``apply_cpu_shims``):
 - ``tensor_parallel.random.CudaRNGStatesTracker`` -> ``CPURNGStatesTracker``: the tracker that
   forks per-TP-rank RNG streams (init, dropout) reads/writes CUDA generator states; the CPU version
   forks the CPU generator instead, keeping megatron's seeding semantics (distinct TP-rank streams).
+- ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> the CPU generator's:
+  activation recompute (``CheckpointFunction``) saves and restores the RNG states around the rerun.
 - ``transformer.utils.get_default_causal_mask`` (also bound in ``fusions.fused_softmax``) ->
   builds the causal mask on CPU instead of ``device="cuda"``.
 - module-level ``torch`` in the modules of ``_MODULES_WITH_CUDA_FACTORIES`` (pipeline schedules,
@@ -208,6 +210,8 @@ def apply_cpu_shims(force: bool = False) -> bool:
     random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
     random_mod.CudaRNGStatesTracker = _make_cpu_rng_tracker_class(random_mod.CudaRNGStatesTracker)
     random_mod.initialize_rng_tracker(force_reset=True)
+    random_mod._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random_mod._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
     tutils = importlib.import_module("megatron.core.transformer.utils")
     tutils.get_default_causal_mask = _cpu_default_causal_mask

@@ -84,7 +84,7 @@ def build_gpt_model(
     params_dtype: Optional[torch.dtype] = None,
     fp8: Optional[str] = None,
     sequence_parallel: bool = False,
-    recompute_activations: bool = False,
+    recompute_activations: bool | str = False,
     make_vocab_size_divisible_by: Optional[int] = None,
     config_overrides: Optional[dict[str, Any]] = None,
 ) -> Any:

@@ -97,7 +97,7 @@ def transformer_config_from_hf(
     params_dtype: Optional[torch.dtype] = None,
     fp8: Optional[str] = None,
     sequence_parallel: bool = False,
-    recompute_activations: bool = False,
+    recompute_activations: bool | str = False,
     variable_seq_lengths: bool = True,
     make_vocab_size_divisible_by: Optional[int] = None,
     overrides: Optional[dict[str, Any]] = None,
@@ -200,8 +200,13 @@ def transformer_config_from_hf(
     )
     if fp8 is not None:
         kwargs.update(fp8="hybrid", fp8_recipe=fp8)
-    if recompute_activations:
+    if recompute_activations == "selective":
         kwargs.update(recompute_granularity="selective")
+    elif recompute_activations in (True, "full"):
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute_activations is not False:
+        raise HFConfigError(f"recompute_activations: expected false, true, 'selective' or 'full', "
+                            f"got {recompute_activations!r}")
     # megatron-core warns "full scope is deprecated" for its own default CUDA-graph scope "full", which
     # it normalises to []: pass [] (no CUDA graphs either way: cuda_graph_impl stays "none"). The field
     # is cuda_graph_modules from 0.19 on (cuda_graph_scope is deprecated there), cuda_graph_scope before.

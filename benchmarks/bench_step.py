@@ -1,0 +1,301 @@
+"""One OPD training step, ours beside TRL's: median step time, CPU-seconds and peak RSS on identical work.
+
+Both trainers get the same student and teacher (the demo's SmolLM2 pair: `megatron-opd demo` prepares
+and caches them; `--tiny` swaps in the demo's tiny random pair), the same prompts (rendered once by our
+loader and given to TRL as plain text, in the same order, unshuffled), the same number of sequences
+per step (`--seqs` prompts, one sample each), `--new-tokens` new tokens at temperature 1, lr 1e-5,
+clip 1.0, fp32, the same torch thread count. Each run is its own process (peak RSS is per process),
+and runs alternate A B A B over `--rounds`, so a change in host load hits both sides alike.
+
+  ours   `Trainer.train_step` (megatron-core GPTModels, local KV-cached rollout engine, weight sync):
+         `--presets opd,stable_opd` (stable_opd does more work: golden rows, reference, full KL);
+         a row may carry config overrides: `opd:model.recompute_activations=full`
+  trl    TRL `DistillationTrainer` (on-policy, beta=1: reverse KL over the full vocabulary), its
+         defaults otherwise (gradient checkpointing on; `--trl-no-gc` turns it off)
+  before `--before REV`: our `opd` preset at git revision REV (a temporary worktree), to show a change
+
+    python benchmarks/bench_step.py                      # ours opd + stable_opd vs TRL, 2 rounds
+    python benchmarks/bench_step.py --before 3a7f893 --only ours,before --presets opd
+    python benchmarks/bench_step.py --tiny --steps 1 --rounds 1   # seconds; what the test runs
+
+Needs `pip install -e '.[bench]'` for the TRL rows (`make bench-step` does it); without TRL the TRL
+rows are reported as not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+BREAKDOWN = ("time/rollout_s", "time/score_s", "time/train_s", "time/sync_s")
+
+
+def _hwm_mb() -> float:
+    """Peak resident set of this process (VmHWM), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# ------------------------------------------------------------------------------------------- workers
+
+def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.loop import Trainer
+
+    preset, *extra = a.preset.split(":")
+    cfg = load_config(None, [
+        f"algo.preset={preset}", f"model.hf_path={a.student}", f"teacher.hf_path={a.teacher}",
+        "teacher.backend=megatron", "rollout.backend=local", f"data.train_path={a.data}", "data.shuffle=false",
+        f"train.steps={a.warmup + a.steps}", f"train.prompts_per_step={a.seqs}", "rollout.n_samples_per_prompt=1",
+        f"rollout.max_new_tokens={a.new_tokens}", "rollout.temperature=1.0", f"train.micro_batch_size={a.seqs}",
+        "optim.lr=1e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1", f"logging.out_dir={a.workdir}",
+        "logging.tensorboard=false", "logging.progress_bar=false", "logging.sample_every=0",
+        "checkpoint.save_every=100000", "checkpoint.resume=never", *a.override,
+        *[o for e in extra for o in e.split(",") if o]])
+    trainer = Trainer(cfg)
+    steps = []
+    try:
+        for i in range(a.warmup + a.steps):
+            c, t = _cpu_s(), time.perf_counter()
+            m = trainer.train_step()
+            rec = {"wall_s": time.perf_counter() - t, "cpu_s": _cpu_s() - c, "warmup": i < a.warmup,
+                   "loss": float(m.get("loss/total_loss", float("nan")))}
+            rec.update({k: float(m[k]) for k in BREAKDOWN if k in m})
+            steps.append(rec)
+    finally:
+        trainer.close()
+    return {"steps": steps, "peak_rss_mb": _hwm_mb()}
+
+
+def worker_trl(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    prompts = [json.loads(line)["prompt"] for line in Path(a.rendered).read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(a.student, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    steps: list[dict[str, Any]] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):  # noqa: ANN001 - transformers' signature
+            self.c, self.t = _cpu_s(), time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):  # noqa: ANN001
+            steps.append({"wall_s": time.perf_counter() - self.t, "cpu_s": _cpu_s() - self.c,
+                          "warmup": len(steps) < a.warmup})
+
+    args = DistillationConfig(
+        output_dir=a.workdir, max_steps=a.warmup + a.steps, per_device_train_batch_size=a.seqs,
+        gradient_accumulation_steps=1, learning_rate=1e-5, max_grad_norm=1.0, lr_scheduler_type="constant",
+        max_completion_length=a.new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=1.0, bf16=False,
+        gradient_checkpointing=not a.trl_no_gc, use_cpu=not torch.cuda.is_available(), shuffle_dataset=False,
+        disable_dropout=True, logging_steps=1, save_strategy="no", report_to=[], seed=1234,
+        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"},
+        teacher_model_init_kwargs={"dtype": "float32"})
+    trainer = DistillationTrainer(model=a.student, teacher_model=a.teacher, args=args, processing_class=tok,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Timer()])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    for s, loss in zip(steps, losses):
+        s["loss"] = float(loss)
+    return {"steps": steps, "peak_rss_mb": _hwm_mb()}
+
+
+def run_worker(a: argparse.Namespace) -> int:
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    import megatron_opd
+
+    out = (worker_trl if a.worker == "trl" else worker_ours)(a)
+    out["threads"] = torch.get_num_threads()
+    out["code"] = str(Path(megatron_opd.__file__).resolve().parents[1])
+    Path(a.result).write_text(json.dumps(out))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ orchestrator
+
+def prepare(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, Path]:
+    """Models (cached), a train file with exactly the prompts the runs use, and the rendered prompt text."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.config import load_config
+    from megatron_opd.data.builtin.arithmetic import builtin_splits
+    from megatron_opd.data.prompts import load_prompts, write_jsonl
+    from megatron_opd.demo import prepare_models
+    from megatron_opd.models.pretrained import default_cache_dir
+
+    student, teacher = prepare_models(Path(a.cache) if a.cache else default_cache_dir(), a.tiny)
+    rows, _ = builtin_splits(a.seqs * (a.warmup + a.steps), 1, 0)
+    data = write_jsonl(rows, work / "prompts.jsonl")
+    cfg = load_config(None, [f"model.hf_path={student}", f"data.train_path={data}"])
+    recs = load_prompts(data, cfg.data, AutoTokenizer.from_pretrained(str(student)))
+    rendered = work / "rendered.jsonl"
+    rendered.write_text("".join(json.dumps({"prompt": r.prompt}) + "\n" for r in recs.records))
+    return student, teacher, data, rendered
+
+
+def before_tree(rev: str, work: Path) -> Path:
+    tree = work / f"before-{rev}"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
+    return tree
+
+
+def spawn(a: argparse.Namespace, kind: str, preset: str, paths: tuple[Path, Path, Path, Path], work: Path,
+          run: int, code: Path) -> dict[str, Any]:
+    student, teacher, data, rendered = paths
+    tag = "".join(c if c.isalnum() else "_" for c in preset)
+    result = work / f"{kind}-{tag}-{run}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "trl" if kind == "trl" else "ours",
+           "--result", str(result), "--student", str(student), "--teacher", str(teacher), "--data", str(data),
+           "--rendered", str(rendered), "--preset", preset, "--workdir", str(work / f"run-{kind}-{tag}-{run}"),
+           "--seqs", str(a.seqs), "--new-tokens", str(a.new_tokens), "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--threads", str(a.threads)]
+    if a.trl_no_gc:
+        cmd.append("--trl-no-gc")
+    for o in a.override:
+        cmd += ["--override", o]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    label = f"{kind}:{preset}" if kind != "trl" else "trl"
+    print(f"[bench_step] run {run}: {label} ...", file=sys.stderr, flush=True)
+    t = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=str(code), capture_output=True, text=True, timeout=a.timeout)
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"{label} run {run} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    out = json.loads(result.read_text())
+    if Path(out["code"]) != code.resolve():
+        raise RuntimeError(f"{label}: ran megatron_opd from {out['code']}, not {code}")
+    print(f"[bench_step] run {run}: {label} done in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def _med(xs: list[float]) -> Optional[float]:
+    return statistics.median(xs) if xs else None
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [s for r in runs for s in r["steps"] if not s["warmup"]]
+    out = {"step_s": _med([s["wall_s"] for s in timed]), "cpu_s": _med([s["cpu_s"] for s in timed]),
+           "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "timed_steps": len(timed),
+           "threads": runs[0].get("threads")}
+    for k in BREAKDOWN:
+        vals = [s[k] for s in timed if k in s]
+        if vals:
+            out[k] = _med(vals)
+    return out
+
+
+def table(rows: dict[str, dict[str, Any]], ref: Optional[str]) -> str:
+    base = rows.get(ref) if ref else None
+    lines = ["| trainer | median step | CPU-s/step | peak RSS | step vs TRL | RSS vs TRL |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "missing" in r:
+            lines.append(f"| {name} | {r['missing']} | | | | |")
+            continue
+        ratio = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
+        mem = f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x" if base else "-"
+        lines.append(f"| {name} | {r['step_s']:.2f} s | {r['cpu_s']:.1f} | {r['peak_rss_mb'] / 1024:.2f} GB "
+                     f"| {ratio} | {mem} |")
+    parts = [f"{name}: " + ", ".join(f"{k.split('/')[1][:-2]} {r[k]:.2f} s" for k in BREAKDOWN if k in r)
+             for name, r in rows.items() if "missing" not in r and any(k in r for k in BREAKDOWN)]
+    return "\n".join(lines + ([""] + ["where our step goes (medians): " + "; ".join(parts)] if parts else []))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="ours,trl", help="comma list of: ours, trl, before")
+    ap.add_argument("--presets", default="opd,stable_opd",
+                    help="our rows: PRESET or PRESET:key=value,key=value (e.g. opd:model.recompute_activations=full)")
+    ap.add_argument("--before", default=None, help="git revision for the 'before' row (our opd preset)")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences per step (prompts, one sample each)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first in every run")
+    ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
+    ap.add_argument("--tiny", action="store_true", help="the demo's tiny random pair (seconds; smoke test)")
+    ap.add_argument("--trl-no-gc", action="store_true", help="TRL without gradient checkpointing")
+    ap.add_argument("--cache", default=None, help="model cache (default: the demo's)")
+    ap.add_argument("--override", action="append", default=[], help="extra config override for our runs")
+    ap.add_argument("--json", default=None, help="write the summary here too")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    ap.add_argument("--worker", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    for k in ("result", "student", "teacher", "data", "rendered", "preset", "workdir"):
+        ap.add_argument(f"--{k}", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return run_worker(a)
+
+    only = [x for x in a.only.split(",") if x]
+    bad = set(only) - {"ours", "trl", "before"}
+    if bad or ("before" in only) != bool(a.before):
+        ap.error(f"--only: unknown {sorted(bad)}" if bad else "--only before and --before REV go together")
+    if a.seqs < 1 or a.new_tokens < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0:
+        ap.error("--seqs, --new-tokens, --steps, --rounds must be >= 1 and --warmup >= 0")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes the 'before' worktree
+    work = Path(tempfile.mkdtemp(prefix="bench_step_"))
+    paths = prepare(a, work)
+    trl_missing = None
+    if "trl" in only:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            trl_missing = "not installed (pip install -e '.[bench]')"
+    jobs: list[tuple[str, str, str, Path]] = []  # (row name, kind, preset, code root)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    try:
+        if "before" in only:
+            jobs.append((f"megatron-opd opd @ {a.before}", "before", "opd", before_tree(a.before, work)))
+        if "ours" in only:
+            jobs += [(f"megatron-opd {p}", "ours", p, REPO) for p in a.presets.split(",") if p]
+        if "trl" in only and not trl_missing:
+            jobs.insert(0, ("TRL DistillationTrainer", "trl", "opd", REPO))
+        runs = {name: [] for name, *_ in jobs}
+        for r in range(a.rounds):
+            for name, kind, preset, code in jobs:
+                runs[name].append(spawn(a, kind, preset, paths, work, r, code))
+    finally:
+        if a.before and (work / f"before-{a.before}").exists():
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / f"before-{a.before}")],
+                           check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    rows = {name: summarise(rs) for name, rs in runs.items()}
+    if trl_missing:
+        rows["TRL DistillationTrainer"] = {"missing": trl_missing}
+    ref = "TRL DistillationTrainer" if "TRL DistillationTrainer" in runs else None
+    print(f"\n{a.seqs} sequences x {a.new_tokens} new tokens, fp32, {a.rounds} rounds x {a.steps} timed steps "
+          f"(+{a.warmup} warm-up), threads {a.threads or 'default'}{', tiny models' if a.tiny else ''}\n")
+    print(table(rows, ref))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

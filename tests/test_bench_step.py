@@ -1,0 +1,65 @@
+"""benchmarks/bench_step.py runs end to end (tiny models: ours and TRL's DistillationTrainer, the `bench`
+extra the Makefile installs) and its arithmetic is right. Speed is the benchmark's business, not a test's:
+nothing here asserts a time."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_step.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_and_table_arithmetic():
+    b = _module()
+    run = lambda walls, rss: {"steps": [{"wall_s": 99.0, "cpu_s": 99.0, "warmup": True}]  # noqa: E731
+                              + [{"wall_s": w, "cpu_s": 2 * w, "warmup": False, "time/train_s": w / 2}
+                                 for w in walls], "peak_rss_mb": rss, "threads": 2}
+    ours = b.summarise([run([1.0, 3.0], 1000.0), run([2.0], 1500.0)])
+    assert ours["step_s"] == 2.0 and ours["cpu_s"] == 4.0 and ours["peak_rss_mb"] == 1500.0
+    assert ours["timed_steps"] == 3 and ours["time/train_s"] == 1.0
+    trl = b.summarise([run([4.0], 3000.0)])
+    text = b.table({"TRL DistillationTrainer": trl, "ours": ours, "peer gone": {"missing": "not installed"}},
+                   "TRL DistillationTrainer")
+    assert "| ours | 2.00 s | 4.0 | 1.46 GB | 0.50x | 0.50x |" in text
+    assert "| peer gone | not installed |" in text and "ours: train 1.00 s" in text
+
+
+def test_bad_arguments_are_refused():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "ours,nope"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--only: unknown ['nope']" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "before"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--before REV" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_ours_and_trl(tmp_path):
+    """Both trainers run on the tiny pair; every row has timed steps and a peak RSS; ours has its breakdown."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
+                           "--seqs", "2", "--new-tokens", "8", "--presets", "opd,stable_opd",
+                           "--cache", str(tmp_path / "cache"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"TRL DistillationTrainer", "megatron-opd opd", "megatron-opd stable_opd"}
+    for name, r in rows.items():
+        assert r["timed_steps"] == 1 and r["step_s"] > 0 and r["cpu_s"] > 0 and r["peak_rss_mb"] > 100, name
+    for name in ("megatron-opd opd", "megatron-opd stable_opd"):
+        assert {"time/rollout_s", "time/train_s", "time/sync_s"} <= rows[name].keys()
+    assert "| TRL DistillationTrainer |" in proc.stdout and "1.00x" in proc.stdout
