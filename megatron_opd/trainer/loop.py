@@ -31,7 +31,7 @@ from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rn
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
 from megatron_opd.models.parallel import host_group
 from megatron_opd.models.weight_mapping import load_hf_state_dict
-from megatron_opd.trainer.policy import MegatronPolicy
+from megatron_opd.trainer.policy import MegatronPolicy, resolve_dtype
 
 logger = logging.getLogger("megatron_opd.trainer")
 
@@ -233,7 +233,8 @@ class Trainer:
 
         return make_rollout_engine(self.cfg.rollout, self.cfg.model.hf_path, pad_token_id=self.pad_id,
                                    log_path=str(self.out_dir / "logs" / "sglang_rollout.log"),
-                                   dtype=self.student.dtype)
+                                   dtype=self.student.dtype if self.cfg.rollout.dtype == "auto"
+                                   else resolve_dtype(self.cfg.rollout.dtype))
 
     def _load_eval_sets(self) -> dict[str, Any]:
         from megatron_opd.eval.benchmarks import load_benchmark
