@@ -4,7 +4,7 @@ Both trainers get the same student and teacher (the demo's SmolLM2 pair: `megatr
 and caches them; `--tiny` swaps in the demo's tiny random pair), the same prompts (rendered once by our
 loader and given to TRL as plain text, in the same order, unshuffled), the same number of sequences
 per step (`--seqs` prompts, one sample each), `--new-tokens` new tokens at temperature 1, lr 1e-5,
-clip 1.0, fp32, the same torch thread count. Each run is its own process (peak RSS is per process),
+clip 1.0, the same dtype (`--dtype`, fp32 by default) and torch thread count. Each run is its own process (peak RSS is per process),
 and runs alternate A B A B over `--rounds`, so a change in host load hits both sides alike.
 
   ours   `Trainer.train_step` (megatron-core GPTModels, local KV-cached rollout engine, weight sync):
@@ -69,7 +69,9 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
         f"rollout.max_new_tokens={a.new_tokens}", "rollout.temperature=1.0", f"train.micro_batch_size={a.seqs}",
         "optim.lr=1e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1", f"logging.out_dir={a.workdir}",
         "logging.tensorboard=false", "logging.progress_bar=false", "logging.sample_every=0",
-        "checkpoint.save_every=100000", "checkpoint.resume=never", *a.override,
+        "checkpoint.save_every=100000", "checkpoint.resume=never",
+        *([f"model.params_dtype={a.dtype}", f"teacher.params_dtype={a.dtype}"] if a.dtype != "float32" else []),
+        *a.override,
         *[o for e in extra for o in e.split(",") if o]])
     trainer = Trainer(cfg)
     steps = []
@@ -109,11 +111,11 @@ def worker_trl(a: argparse.Namespace) -> dict[str, Any]:
     args = DistillationConfig(
         output_dir=a.workdir, max_steps=a.warmup + a.steps, per_device_train_batch_size=a.seqs,
         gradient_accumulation_steps=1, learning_rate=1e-5, max_grad_norm=1.0, lr_scheduler_type="constant",
-        max_completion_length=a.new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=1.0, bf16=False,
+        max_completion_length=a.new_tokens, temperature=1.0, top_k=0, top_p=1.0, beta=1.0,
+        bf16=a.dtype == "bfloat16",
         gradient_checkpointing=not a.trl_no_gc, use_cpu=not torch.cuda.is_available(), shuffle_dataset=False,
         disable_dropout=True, logging_steps=1, save_strategy="no", report_to=[], seed=1234,
-        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"},
-        teacher_model_init_kwargs={"dtype": "float32"})
+        dataloader_num_workers=0, model_init_kwargs={"dtype": a.dtype}, teacher_model_init_kwargs={"dtype": a.dtype})
     trainer = DistillationTrainer(model=a.student, teacher_model=a.teacher, args=args, processing_class=tok,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Timer()])
     trainer.train()
@@ -174,7 +176,7 @@ def spawn(a: argparse.Namespace, kind: str, preset: str, paths: tuple[Path, Path
            "--result", str(result), "--student", str(student), "--teacher", str(teacher), "--data", str(data),
            "--rendered", str(rendered), "--preset", preset, "--workdir", str(work / f"run-{kind}-{tag}-{run}"),
            "--seqs", str(a.seqs), "--new-tokens", str(a.new_tokens), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--threads", str(a.threads)]
+           "--warmup", str(a.warmup), "--threads", str(a.threads), "--dtype", a.dtype]
     if a.trl_no_gc:
         cmd.append("--trl-no-gc")
     for o in a.override:
@@ -239,6 +241,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first in every run")
     ap.add_argument("--rounds", type=int, default=2, help="A B A B rounds")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="both sides: weights (ours: student, reference, teacher, rollout engine; TRL: student and "
+                         "teacher, bf16=True). Log-softmax stays fp32 in ours")
     ap.add_argument("--tiny", action="store_true", help="the demo's tiny random pair (seconds; smoke test)")
     ap.add_argument("--trl-no-gc", action="store_true", help="TRL without gradient checkpointing")
     ap.add_argument("--cache", default=None, help="model cache (default: the demo's)")
@@ -289,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if trl_missing:
         rows["TRL DistillationTrainer"] = {"missing": trl_missing}
     ref = "TRL DistillationTrainer" if "TRL DistillationTrainer" in runs else None
-    print(f"\n{a.seqs} sequences x {a.new_tokens} new tokens, fp32, {a.rounds} rounds x {a.steps} timed steps "
+    print(f"\n{a.seqs} sequences x {a.new_tokens} new tokens, {a.dtype}, {a.rounds} rounds x {a.steps} timed steps "
           f"(+{a.warmup} warm-up), threads {a.threads or 'default'}{', tiny models' if a.tiny else ''}\n")
     print(table(rows, ref))
     if a.json:
