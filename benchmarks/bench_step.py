@@ -72,7 +72,7 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
         "checkpoint.save_every=100000", "checkpoint.resume=never",
         *([f"model.params_dtype={a.dtype}", f"teacher.params_dtype={a.dtype}"] if a.dtype != "float32" else []),
         *a.override,
-        *[o for e in extra for o in e.split(",") if o]])
+        *[e for e in extra if e]])
     trainer = Trainer(cfg)
     steps = []
     try:
@@ -233,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="ours,trl", help="comma list of: ours, trl, before")
     ap.add_argument("--presets", default="opd,stable_opd",
-                    help="our rows: PRESET or PRESET:key=value,key=value (e.g. opd:model.recompute_activations=full)")
+                    help="comma-separated rows: PRESET or PRESET:key=value[:key=value...] "
+                         "(e.g. opd:model.recompute_activations=full:rollout.dtype=bfloat16)")
     ap.add_argument("--before", default=None, help="git revision for the 'before' row (our opd preset)")
     ap.add_argument("--seqs", type=int, default=8, help="sequences per step (prompts, one sample each)")
     ap.add_argument("--new-tokens", type=int, default=64)
