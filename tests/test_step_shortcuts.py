@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -204,15 +205,13 @@ def test_local_engine_decodes_with_its_thread_count(setup, monkeypatch):
     def slow_once(*a):
         seen.append(torch.get_num_threads())
         if len(seen) == 7:
-            import time
-
             time.sleep(max(0.2, 10 * (time.perf_counter() - start)))
         return real_auto(*a)
 
     auto._forward = slow_once
     torch.set_num_threads(2)
     try:
-        start = __import__("time").perf_counter()
+        start = time.perf_counter()
         auto.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=0, stop_token_ids=[]))
         assert seen[:7] == [2] * 7 and set(seen[7:]) == {1}, seen
         assert auto.stalls == 1 and torch.get_num_threads() == 2
