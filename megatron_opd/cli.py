@@ -12,6 +12,7 @@ from typing import Callable, Optional
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("megatron_opd.trainer.cli", "main", "run OPD / Stable-OPD training from a YAML config"),
     "eval": ("megatron_opd.eval.cli", "main", "evaluate a model on math benchmarks"),
+    "grade-audit": ("megatron_opd.eval.audit", "main", "measure the grader on benchmark files (no model)"),
     "convert": ("tools.checkpoint_convert.convert", "main", "convert HF <-> megatron-core checkpoints"),
     "demo": ("megatron_opd.demo", "main", "small end-to-end run on this machine"),
     "doctor": ("megatron_opd.doctor", "main", "report what this machine can run"),

@@ -125,7 +125,7 @@ def test_evaluate_end_to_end_metrics_and_files(tmp_path, tok):
     assert r.metrics["grader_errors"] == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["results"]["aime24"]["avg@2"] == pytest.approx(r.metrics["avg@2"])
-    assert saved["k"] == 2 and saved["sampling"]["n"] == 2
+    assert saved["k"] == {"aime24": 2} and saved["results"]["aime24"]["k"] == 2 and "n" not in saved["sampling"]
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| aime24 | 3 | 2 | 50.0 | 33.3 | 66.7 |" in md
     lines = (tmp_path / "out" / "samples_aime24.jsonl").read_text().splitlines()

@@ -12,7 +12,8 @@ import pytest
 
 from megatron_opd.data.builtin import write_builtin_jsonl
 from megatron_opd.data.toy_tokenizer import byte_tokenizer
-from megatron_opd.eval.cli import main, parse_benchmarks
+from megatron_opd.eval.benchmarks import resolve_benchmarks
+from megatron_opd.eval.cli import main
 from megatron_opd.rollout.base import Sample
 
 
@@ -68,13 +69,13 @@ def test_cli_runs_and_writes_results(setup, good, expected, capsys):
 
 def test_benchmark_name_resolved_through_data_dir(setup):
     tmp_path, _, paths, _ = setup
-    assert parse_benchmarks("arith", str(tmp_path / "data")) == {"arith": paths["eval"]}
+    assert resolve_benchmarks("arith", str(tmp_path / "data")) == {"arith": paths["eval"]}
     with pytest.raises(ValueError, match="no path"):
-        parse_benchmarks("arith", None)
+        resolve_benchmarks("arith", None)
     with pytest.raises(FileNotFoundError, match="math500"):
-        parse_benchmarks("math500", str(tmp_path / "data"))
+        resolve_benchmarks("math500", str(tmp_path / "data"))
     with pytest.raises(KeyError, match="unknown benchmark"):
-        parse_benchmarks("mmlu=x.jsonl", None)
+        resolve_benchmarks("mmlu=x.jsonl", None)
 
 
 @pytest.mark.parametrize("extra, msg", [

@@ -83,7 +83,7 @@ def test_grade_response_end_to_end():
 
 
 def test_grader_crash_is_incorrect_and_counted_separately(monkeypatch):
-    def boom(pred, gold, timeout_s=5):
+    def boom(pred, gold, timeout_s=5, **kw):
         raise RuntimeError("sympy exploded")
 
     monkeypatch.setattr(grading, "answers_equivalent", boom)
@@ -94,7 +94,7 @@ def test_grader_crash_is_incorrect_and_counted_separately(monkeypatch):
 def test_grader_timeout_exception_is_caught(monkeypatch):
     from math_verify.errors import TimeoutException  # a BaseException, not an Exception
 
-    def slow(pred, gold, timeout_s=5):
+    def slow(pred, gold, timeout_s=5, **kw):
         raise TimeoutException("Operation timed out!")
 
     monkeypatch.setattr(grading, "answers_equivalent", slow)

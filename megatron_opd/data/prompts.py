@@ -1,6 +1,6 @@
 """Prompt sets with golden solutions: reading, validation, chat templating and tokenization.
 
-Sources: JSONL (``.jsonl``/``.json`` one object per line), Parquet, a local HF ``datasets`` directory
+Sources: JSONL (``.jsonl``/``.json`` one object per line), a ``.json`` array of objects, Parquet, a local HF ``datasets`` directory
 (``save_to_disk``) or, for anything else that is not a local path, a hub name for
 ``datasets.load_dataset``. Every bad row is reported as ``<file>:<line>: <reason>`` so a user can open
 the file at the right place; with ``on_bad_record=skip`` the loader keeps going, counts the skips and
@@ -78,7 +78,29 @@ Row = Union[dict, BadRecord]
 # reading rows
 
 
+def _iter_json_array(path: Path) -> Iterator[tuple[str, Row]]:
+    """A ``.json`` file holding one array of objects (OlympiadBench's own release); rows are 1-based."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON array of objects or one object per line")
+    for i, obj in enumerate(rows, start=1):
+        loc = f"{path}:row {i}"
+        yield loc, obj if isinstance(obj, dict) else BadRecord(f"expected a JSON object, got {type(obj).__name__}")
+
+
+def _starts_with_array(path: Path) -> bool:
+    with path.open("r", encoding="utf-8") as f:
+        head = f.read(256).lstrip("\ufeff \t\r\n")
+    return head.startswith("[")
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Row]]:
+    if path.suffix.lower() == ".json" and _starts_with_array(path):
+        yield from _iter_json_array(path)
+        return
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             loc = f"{path}:{lineno}"

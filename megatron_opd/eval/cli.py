@@ -5,8 +5,11 @@ Example::
     megatron-opd eval --model runs/x/hf --benchmarks math500=../shared/data/math500.jsonl,aime24=aime24.jsonl \\
         --k 4 --max-new-tokens 2048 --out runs/x/eval
 
-A benchmark given without ``=PATH`` is looked up as ``<--data-dir>/<default file name>`` (see
-`megatron_opd.eval.benchmarks` for names, file names and fields).
+A benchmark given without ``=PATH`` is looked up in ``--data-dir`` (``NAME.jsonl``, the default file name,
+or the ``NAME/test.jsonl`` layout of the public evaluation suites); see `megatron_opd.eval.benchmarks` for
+names, aliases and fields. The paper's protocol on its six benchmarks::
+
+    megatron-opd eval --model runs/x/hf --preset paper --data-dir evaluation/data --out runs/x/eval
 """
 
 from __future__ import annotations
@@ -18,33 +21,24 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_opd.config import DataConfig
-from megatron_opd.eval.benchmarks import BENCHMARKS, evaluate, get_spec, results_markdown
+from megatron_opd.data.prompts import DataError, PromptSet
+from megatron_opd.eval.benchmarks import (BENCHMARKS, PAPER_BENCHMARKS, evaluate, load_benchmark, paper_table,
+                                          resolve_benchmarks, results_markdown)
 from megatron_opd.rollout.base import SamplingParams
 
 EngineFactory = Callable[[argparse.Namespace], Any]
 
-
-def parse_benchmarks(spec: str, data_dir: Optional[str]) -> dict[str, Path]:
-    """``"math500=PATH,aime24"`` -> {name: path}; names must be registered, paths must exist."""
-    out: dict[str, Path] = {}
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        name, _, path = item.partition("=")
-        name = name.strip()
-        bench = get_spec(name)
-        if path:
-            p = Path(path.strip())
-        elif data_dir:
-            p = Path(data_dir) / bench.filename
-        else:
-            raise ValueError(f"--benchmarks {name}: no path; give {name}=PATH or --data-dir DIR holding {bench.filename}")
-        if not p.exists():
-            raise FileNotFoundError(f"--benchmarks {name}: {p} not found")
-        if name in out:
-            raise ValueError(f"--benchmarks: {name} given twice")
-        out[name] = p
-    if not out:
-        raise ValueError("--benchmarks: empty")
-    return out
+# `--preset paper`: the six benchmarks of the Stable-OPD paper, in its column order, with the sampling of
+# common practice for these models (DeepSeek-R1 / OpenThoughts evaluations: T=0.6, top-p 0.95), avg@16 on
+# the small competition sets (30-40 problems) and avg@4 on the larger ones. Any flag given overrides it.
+PAPER_PRESET: dict[str, Any] = {
+    "benchmarks": ",".join(PAPER_BENCHMARKS),
+    "k": {"math500": 4, "minerva": 4, "olympiadbench": 4, "amc23": 16, "aime24": 16, "aime25": 16},
+    "temperature": 0.6,
+    "top_p": 0.95,
+    "max_new_tokens": 3072,
+}
+DEFAULTS: dict[str, Any] = {"k": 1, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1024}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,13 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    p.add_argument("--benchmarks", required=True,
-                   help=f"comma list of NAME[=PATH]; names: {', '.join(BENCHMARKS)}")
-    p.add_argument("--data-dir", default=None, help="folder holding benchmark files under their default names")
-    p.add_argument("--k", type=int, default=1, help="samples per problem (avg@k, pass@k)")
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--preset", choices=["paper"], default=None,
+                   help="paper: MATH-500, Minerva, OlympiadBench, AMC23, AIME24, AIME25 from --data-dir, "
+                        "avg@4 / avg@16, T=0.6, top-p 0.95, 3072 new tokens (flags override)")
+    p.add_argument("--benchmarks", default=None,
+                   help=f"comma list of NAME[=PATH]; names: {', '.join(BENCHMARKS)} (aliases such as minerva_math)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding benchmark files: NAME.jsonl, the default file names, or NAME/test.jsonl")
+    p.add_argument("--k", type=int, default=None, help="samples per problem (avg@k, pass@k); default 1")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 1024")
+    p.add_argument("--temperature", type=float, default=None, help="default 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="default 1.0")
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=32, help="prompts per engine.generate call")
@@ -66,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
     p.add_argument("--prompt-template", default=None, help="default: data.prompt_template of the config")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt template text")
+    p.add_argument("--strict-data", action="store_true", help="a bad row is an error instead of a recorded skip")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--out", required=True, help="output folder for results.json / results.md / samples_*.jsonl")
     return p
 
@@ -73,45 +73,78 @@ def build_parser() -> argparse.ArgumentParser:
 def _local_engine(args: argparse.Namespace) -> Any:
     from megatron_opd.rollout.local import LocalEngine  # lazy: pulls in torch + transformers models
 
-    return LocalEngine.from_pretrained(args.model, max_batch_size=max(1, args.batch_size * args.k))
+    k = max(args.k.values()) if isinstance(args.k, dict) else args.k
+    return LocalEngine.from_pretrained(args.model, max_batch_size=max(1, args.batch_size * k))
+
+
+def _apply_preset(args: argparse.Namespace) -> None:
+    """Fill every flag the user left unset from the preset, then from the plain defaults."""
+    preset = PAPER_PRESET if args.preset == "paper" else {}
+    if args.benchmarks is None:
+        args.benchmarks = preset.get("benchmarks")
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+
+
+def _fail(msg: str) -> int:
+    print(f"megatron-opd eval: {msg}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Optional[list[str]] = None, engine_factory: Optional[EngineFactory] = None) -> int:
-    """Entry point; `engine_factory(args)` replaces the local engine (tests, other backends)."""
+    """Entry point; `engine_factory(args)` replaces the local engine (tests, other backends). Every
+    benchmark file is read and validated before the model loads."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for flag, value, ok in (("--k", args.k, args.k >= 1), ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
+    _apply_preset(args)
+    if args.benchmarks is None:
+        return _fail("--benchmarks: give NAME[=PATH],... or --preset paper with --data-dir")
+    ks = list(args.k.values()) if isinstance(args.k, dict) else [args.k]
+    for flag, value, ok in (("--k", args.k, all(k >= 1 for k in ks)),
+                            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
                             ("--temperature", args.temperature, args.temperature >= 0),
                             ("--top-p", args.top_p, 0 < args.top_p <= 1),
                             ("--batch-size", args.batch_size, args.batch_size >= 1),
                             ("--limit", args.limit, args.limit is None or args.limit >= 1)):
         if not ok:
-            print(f"megatron-opd eval: {flag}: invalid value {value}", file=sys.stderr)
-            return 2
+            return _fail(f"{flag}: invalid value {value}")
     try:
-        benches = parse_benchmarks(args.benchmarks, args.data_dir)
+        benches = resolve_benchmarks(args.benchmarks, args.data_dir)
     except (KeyError, ValueError, FileNotFoundError) as e:
-        print(f"megatron-opd eval: {e.args[0] if e.args else e}", file=sys.stderr)
-        return 2
+        return _fail(str(e.args[0] if e.args else e))
+    if isinstance(args.k, dict):
+        args.k = {name: args.k.get(name, 1) for name in benches}
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    data_cfg = DataConfig(apply_chat_template=not args.no_chat_template, max_prompt_tokens=args.max_prompt_tokens)
+    data_cfg = DataConfig(apply_chat_template=not args.no_chat_template, max_prompt_tokens=args.max_prompt_tokens,
+                          on_bad_record="error" if args.strict_data else "skip")
     if args.prompt_template is not None:
         data_cfg.prompt_template = args.prompt_template
+    loaded: dict[str, PromptSet] = {}
+    for name, path in benches.items():
+        try:
+            loaded[name] = load_benchmark(name, path, tokenizer, data_cfg, args.limit)
+        except (DataError, OSError) as e:
+            return _fail(f"{name}: {e}")
+        if loaded[name].bad:
+            print(f"megatron-opd eval: {name}: skipped {len(loaded[name].bad)} row(s) of {path} (listed in "
+                  f"results.json); first: {loaded[name].bad[0]}", file=sys.stderr)
     engine = (engine_factory or _local_engine)(args)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
     try:
-        results = evaluate(engine, tokenizer, benches, k=args.k, sampling=sampling, out_dir=args.out,
-                           data_cfg=data_cfg, limit=args.limit, batch_size=args.batch_size)
+        results = evaluate(engine, tokenizer, loaded, k=args.k, sampling=sampling, out_dir=args.out,
+                           batch_size=args.batch_size, progress=not args.no_progress, on_error="continue")
     finally:
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
     print(results_markdown(results))
+    print(paper_table(results, label=Path(args.model).name or "model"))
     print(f"wrote {Path(args.out) / 'results.md'} and results.json")
-    return 0
+    return 1 if any(r.error is not None for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -1,10 +1,30 @@
-"""Final-answer extraction and math-verify grading.
+"""Final-answer extraction and grading: math-verify equivalence behind our normalisation and guards.
 
-Extraction is ours (so every benchmark uses the same, inspectable rule: last ``\\boxed{}``/``\\fbox{}``,
-then GSM8K ``####``, then "the answer is X", then the last number); equivalence is math-verify's
-(sympy-based, so ``\\frac{1}{2}`` == ``0.5`` and ``[2,5)`` != ``(2,5)``). A grader crash or timeout
-counts as incorrect but is reported with its own status, so a broken grader cannot hide inside a low
-accuracy.
+Extraction is ours, so every benchmark uses the same inspectable rule: last ``\\boxed{}``/``\\fbox{}``,
+then GSM8K ``####``, then "the answer is X", then the last number of the response (numbers glued to
+words, inside trailing remarks in parentheses, or after "Lemma"/"Step"/... are not answers).
+
+Equivalence is math-verify's (sympy: ``\\frac{1}{2}`` == ``0.5``, ``[2,5)`` != ``(2,5)``, sets are
+unordered), applied to both answers after `normalize_answer`, and then held to a stricter standard,
+because math-verify alone accepts wrong answers of classes that matter on the paper's benchmarks:
+
+* **e-notation.** ``4.5e33`` (a fifth of Minerva's gold answers) parses as ``4.5 * e * 33``; we rewrite
+  a number in e-notation as ``4.5 \\times 10^{33}``, on both sides, before parsing.
+* **Free symbols.** When the gold answer names a variable or symbol (``4t``, ``\\frac13E_1+\\frac23E_2``)
+  and the prediction names none, they do not match, whatever the parser made of the gold (math-verify
+  reads ``4t`` as ``4``). ``e`` and ``i`` count as constants, LaTeX commands and ``\\text{}`` are ignored.
+* **Lossy parses.** When an answer names symbols but parses to a bare number (math-verify reads
+  ``\\frac13E_1+\\frac23E_2`` as ``2/3`` and then accepts ``2/3``, or its negation), the parse is not
+  trusted and the two answers must agree as text (spacing and ``\\left``/``\\right`` aside).
+* **Numbers compare relatively.** Two numeric answers match only if
+  ``|a - b| <= rel_tol * max(|a|, |b|)`` (`REL_TOL` = 1e-6, about 6 significant digits) -- math-verify
+  rounds to 6 decimal places, so ``\\frac{2}{2004!}`` "equals" ``\\frac{1}{2004!}`` there. A per-problem
+  absolute tolerance (OlympiadBench's ``error`` field) widens this for that problem only.
+* **Units and formatting.** A trailing unit word (``1.6 arcsec``, ``5 cm``), math delimiters (``$``),
+  thousands separators (``118{,}000``, ``118\\,000``) and ``\\dfrac`` are normalised away.
+
+A grader crash or timeout counts as incorrect but is reported with its own status, so a broken grader
+cannot hide inside a low accuracy.
 """
 
 from __future__ import annotations
@@ -12,15 +32,30 @@ from __future__ import annotations
 import re
 import threading
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 GradeStatus = Literal["correct", "incorrect", "no_answer", "error"]
 ExtractMethod = Literal["boxed", "hashes", "answer_is", "last_number", "none"]
 
+REL_TOL = 1e-6
+
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+?)(?=\.\s|\.?\s*$|\n)",
                            re.IGNORECASE | re.MULTILINE)
-_NUMBER_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+/\d+|-?\d+(?:\.\d+)?|-?\.\d+")
+_SEP = r"(?:,|\{,\}|\\,|\\ |\u2009|\u202f|\u00a0)"  # thousands separators
+_CURRENCY_SPACE_NUM = re.compile(r"(?:\\?\$|€|£)\s*(\d{1,3}(?: \d{3})+(?:\.\d+)?)(?![\d\w])")
+_LAST_NUMBER_RE = re.compile(
+    r"(?<![\w.\\])(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(?![\w])")
+_REFERENCE_WORDS = re.compile(r"(?:lemma|theorem|step|equation|eq\.|fig\.|figure|section|case|claim|part|"
+                              r"exercise|chapter|problem|line|page|rule|condition|property)\s*$", re.IGNORECASE)
+_PAREN_REMARK = re.compile(r"\((?=[^()]*[A-Za-z])[^()]*\)")
+_E_NOTATION = re.compile(r"^(-?\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)$")
+_NUMBER_THEN_UNIT = re.compile(
+    r"^(-?\d+(?:\.\d+)?(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?)\s*"
+    r"(?:[A-Za-z][A-Za-z]+|[mgsKJNWVAL])(?:[\s./^\-]*[A-Za-z0-9]+)*\.?$")
+_TEXT_GROUPS = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|operatorname|mathbf)\s*\{[^{}]*\}")
+_COMMANDS = re.compile(r"\\[A-Za-z]+")
+_ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
 
 
 @dataclass(frozen=True)
@@ -39,6 +74,10 @@ class GradeResult:
     @property
     def correct(self) -> bool:
         return self.status == "correct"
+
+
+# ---------------------------------------------------------------------------------------------
+# extraction
 
 
 def _braced(text: str, start: int) -> Optional[tuple[str, int]]:
@@ -84,6 +123,21 @@ def _clean(ans: str) -> str:
     return ans.rstrip(".").strip()
 
 
+def _last_number(text: str) -> Optional[str]:
+    """The last number that reads as an answer: not part of a word (``name2010``), not a reference
+    (``Lemma 2``), not inside a parenthesised remark; ``$118 000`` and ``1{,}000`` are one number."""
+    text = _PAREN_REMARK.sub(" ", text)
+    text = _CURRENCY_SPACE_NUM.sub(lambda m: m.group(0).replace(m.group(1), m.group(1).replace(" ", "")), text)
+    found = None
+    for m in _LAST_NUMBER_RE.finditer(text):
+        if _REFERENCE_WORDS.search(text[max(0, m.start() - 12):m.start()]):
+            continue
+        found = m.group(1)
+    if found is None:
+        return None
+    return re.sub(_SEP, "", found)
+
+
 def extract_answer(text: str) -> Extraction:
     """The model's final answer, by the first rule that matches (see module docstring)."""
     boxed = extract_boxed(text)
@@ -95,11 +149,55 @@ def extract_answer(text: str) -> Extraction:
             return Extraction(_clean(tail).replace(",", ""), "hashes")
     matches = _ANSWER_IS_RE.findall(text)
     if matches and _clean(matches[-1]):
-        return Extraction(_clean(matches[-1]), "answer_is")
-    numbers = _NUMBER_RE.findall(text)
-    if numbers:
-        return Extraction(numbers[-1].replace(",", ""), "last_number")
+        return Extraction(normalize_answer(matches[-1]), "answer_is")
+    number = _last_number(text)
+    if number is not None:
+        return Extraction(number, "last_number")
     return Extraction(None, "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# normalisation and guards
+
+
+def normalize_answer(ans: str) -> str:
+    """Rewrite formatting that math-verify misreads or that carries no meaning (see module docstring).
+    Idempotent; applied to gold and prediction alike."""
+    s = ans.strip()
+    s = re.sub(r"(?<!\\)\$", "", s)
+    for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(left) and s.endswith(right):
+            s = s[2:-2]
+    s = s.strip().rstrip(".").strip()
+    s = re.sub(r",\\!\s*", ",", s).replace("\\!", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    if re.fullmatch(r"-?\d{1,3}(?:" + _SEP + r"\d{3})+(?:\.\d+)?", s):
+        s = re.sub(_SEP, "", s)
+    m = _E_NOTATION.match(s)
+    if m:
+        s = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
+    m = _NUMBER_THEN_UNIT.match(s)
+    if m:
+        s = m.group(1)
+    m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z\s./^-]*\}\s*", s)
+    if m and re.fullmatch(r"-?[\d.]+", m.group(1)):
+        s = m.group(1)
+    return s.strip()
+
+
+def symbol_letters(ans: str) -> set[str]:
+    """Letters that name variables or symbols in an answer: LaTeX commands, ``\\text{}``-like groups, a
+    leading ``x =`` and the constants ``e`` and ``i`` do not count."""
+    s = _TEXT_GROUPS.sub(" ", ans)
+    s = _COMMANDS.sub(" ", s)
+    s = _ASSIGNMENT.sub("", s)
+    return {c for c in s if c.isascii() and c.isalpha()} - {"e", "i"}
+
+
+def canonical_text(ans: str) -> str:
+    """The answer's text without spacing and sizing commands (a space that ends a command name before a
+    letter is kept: ``\\pi t`` is not ``\\pit``)."""
+    s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])|\\[,;:! ]", "", ans)
+    return re.sub(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
 
 
 def _timeout(seconds: Optional[int]) -> Optional[int]:
@@ -113,30 +211,67 @@ def _parse(expr: str, timeout_s: Optional[int]) -> list:
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
 
 
-def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact_shortcut: bool = True) -> bool:
-    """math-verify equivalence of two bare answers (LaTeX or plain). Raises on grader errors/timeouts;
-    `grade_answer` is the non-raising wrapper. `exact_shortcut` accepts identical strings without
-    calling math-verify (sympy parsing is ~10 ms an answer)."""
+def _as_number(parsed: list) -> Optional[Any]:
+    """The parsed value as a sympy number (finite, real), or None when it is anything else."""
+    import sympy
+
+    if not parsed or not isinstance(parsed[0], sympy.Basic):
+        return None
+    expr = parsed[0]
+    if not getattr(expr, "is_number", False) or expr.free_symbols:
+        return None
+    try:
+        value = sympy.N(expr, 40)
+    except Exception:  # noqa: BLE001 - sympy raises many types on exotic expressions
+        return None
+    if not value.is_real or not value.is_finite:
+        return None
+    return value
+
+
+def numbers_close(a: Any, b: Any, rel_tol: float = REL_TOL, abs_tol: float = 0.0) -> bool:
+    """``|a - b| <= max(rel_tol * max(|a|, |b|), abs_tol)`` on sympy numbers at 40 digits."""
+    diff = abs(a - b)
+    return bool(diff <= max(rel_tol * max(abs(a), abs(b)), abs_tol))
+
+
+def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact_shortcut: bool = True,
+                       rel_tol: float = REL_TOL, abs_tol: float = 0.0) -> bool:
+    """Whether a bare predicted answer equals the gold one (LaTeX or plain), under the rules of the module
+    docstring. Raises on grader errors/timeouts; `grade_answer` is the non-raising wrapper.
+    `exact_shortcut` accepts answers identical up to spacing without calling math-verify (~10 ms an
+    answer, and it rejects some identical expressions);
+    `abs_tol` is a per-problem absolute tolerance for numeric answers."""
     from math_verify import verify
 
-    pred, gold = _clean(pred), _clean(gold)
+    pred, gold = normalize_answer(_clean(pred)), normalize_answer(_clean(gold))
     if not pred or not gold:
         return False
-    if exact_shortcut and pred == gold:
+    if exact_shortcut and canonical_text(pred) == canonical_text(gold):
         return True
+    if symbol_letters(gold) and not symbol_letters(pred):
+        return False
     gold_parsed, pred_parsed = _parse(gold, timeout_s), _parse(pred, timeout_s)
     if not gold_parsed or not pred_parsed:
         return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=_timeout(timeout_s), raise_on_error=True))
+    gold_num, pred_num = _as_number(gold_parsed), _as_number(pred_parsed)
+    if (gold_num is not None and symbol_letters(gold)) or (pred_num is not None and symbol_letters(pred)):
+        return canonical_text(pred) == canonical_text(gold)  # the parser dropped symbols: trust text only
+    numeric = gold_num is not None and pred_num is not None and "%" not in gold + pred
+    if numeric and abs_tol > 0 and numbers_close(pred_num, gold_num, rel_tol, abs_tol):
+        return True
+    if not verify(gold_parsed, pred_parsed, timeout_seconds=_timeout(timeout_s), raise_on_error=True):
+        return False
+    return not numeric or numbers_close(pred_num, gold_num, rel_tol)
 
 
 def grade_answer(pred: Optional[str], gold: str, timeout_s: Optional[int] = 5,
-                 method: ExtractMethod = "boxed") -> GradeResult:
+                 method: ExtractMethod = "boxed", abs_tol: float = 0.0) -> GradeResult:
     """Grade an already-extracted answer. Never raises for grader failures: they become status 'error'."""
     if pred is None or not pred.strip():
         return GradeResult("no_answer", pred, "none")
     try:
-        ok = answers_equivalent(pred, gold, timeout_s)
+        ok = answers_equivalent(pred, gold, timeout_s, abs_tol=abs_tol)
     except BaseException as e:  # math-verify's TimeoutException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -144,11 +279,12 @@ def grade_answer(pred: Optional[str], gold: str, timeout_s: Optional[int] = 5,
     return GradeResult("correct" if ok else "incorrect", pred, method)
 
 
-def grade_response(response: str, gold: str, timeout_s: Optional[int] = 5) -> GradeResult:
+def grade_response(response: str, gold: str, timeout_s: Optional[int] = 5, abs_tol: float = 0.0) -> GradeResult:
     """Extract the final answer from a full model response and grade it against `gold`."""
     ext = extract_answer(response)
-    return grade_answer(ext.answer, gold, timeout_s, ext.method)
+    return grade_answer(ext.answer, gold, timeout_s, ext.method, abs_tol=abs_tol)
 
 
-__all__ = ["Extraction", "GradeResult", "GradeStatus", "answers_equivalent", "extract_answer",
-           "extract_boxed", "grade_answer", "grade_response"]
+__all__ = ["Extraction", "GradeResult", "GradeStatus", "REL_TOL", "answers_equivalent", "extract_answer",
+           "canonical_text", "extract_boxed", "grade_answer", "grade_response", "normalize_answer", "numbers_close",
+           "symbol_letters"]

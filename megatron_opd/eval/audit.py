@@ -1,0 +1,197 @@
+"""`megatron-opd grade-audit`: measure the grader on a benchmark file before trusting its accuracies.
+
+For every row it writes the reference answer the way a model does (``\\boxed{}``, ``\\dfrac``, units,
+Minerva's e-notation as ``\\times 10^{}``, "the answer is N") and checks that each is graded correct;
+then it perturbs the answer (off by one in a digit, sign flipped, a coefficient changed, an interval
+bracket flipped) and checks that each perturbation is graded wrong. No model is involved, so this runs
+in seconds on any machine and tells a user how far to trust the grader on their files::
+
+    megatron-opd grade-audit --data-dir data/ --benchmarks math500,minerva_math,olympiadbench,amc23,aime24,aime25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_opd.eval.benchmarks import BenchmarkRow, read_benchmark_rows, resolve_benchmarks
+from megatron_opd.eval.grading import grade_response, normalize_answer
+
+_FIRST_NUMBER = re.compile(r"(?<![\w\\^_])\d+(?:\.\d+)?")
+_COEFFICIENT = re.compile(r"(?<![\w\\^_.])(\d+)(?=\s*(?:[A-Za-z]|\\(?:sqrt|pi|frac|log|sin|cos)))")
+
+
+def _top_level_split(ans: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for c in ans:
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if c == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += c
+    return parts + [cur.strip()]
+
+
+def reference_forms(answer: str, unit: Optional[str] = None, multiple: bool = False) -> list[tuple[str, str]]:
+    """(kind, response text) renderings of a correct answer as models write it."""
+    ans = re.sub(r"(?<!\\)\$", "", answer).strip()
+    forms = [("boxed", f"So the final answer is $\\boxed{{{ans}}}$.")]
+    sci = normalize_answer(ans)
+    if sci != ans and "\\times 10^" in sci:
+        forms.append(("times_10", f"Thus $L \\approx \\boxed{{{sci}}}$."))
+    if "\\frac" in ans:
+        forms.append(("dfrac", f"Hence the answer is $\\boxed{{{ans.replace(chr(92) + 'frac', chr(92) + 'dfrac')}}}$."))
+    tight = re.sub(r"(?<![\\A-Za-z])(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", ans)
+    if tight != ans and "\\text" not in ans and "\\mbox" not in ans:
+        forms.append(("no_spaces", f"The answer is $\\boxed{{{tight}}}$."))
+    frac = re.fullmatch(r"(-?)\\frac\{(\d+)\}\{(\d+)\}", ans)
+    if frac:
+        forms.append(("slash", f"The answer is $\\boxed{{{frac.group(1)}{frac.group(2)}/{frac.group(3)}}}$."))
+    if "\\times 10^" in sci:
+        forms.append(("cdot_10", f"$\\boxed{{{sci.replace(chr(92) + 'times', chr(92) + 'cdot')}}}$"))
+    if multiple:
+        parts = _top_level_split(ans)
+        if len(parts) > 1 and not re.search(r"(?<![\\A-Za-z])[A-Za-z]{3,}", ans):
+            forms.append(("reordered", f"The answers are $\\boxed{{{', '.join(reversed(parts))}}}$."))
+    if unit:
+        u = re.sub(r"(?<!\\)\$", "", unit).strip()
+        forms.append(("unit", f"The answer is $\\boxed{{{ans} \\text{{ {u}}}}}$."))
+    if re.fullmatch(r"-?\d+", ans):
+        forms.append(("answer_is", f"Adding these up, the answer is {ans}."))
+    return forms
+
+
+def _bump_digit(m: re.Match) -> str:
+    s = m.group(0)
+    last = s[-1]
+    return s[:-1] + str((int(last) + 1) % 10) if last != "9" else s[:-1] + "8"
+
+
+def perturbations(answer: str) -> list[tuple[str, str]]:
+    """(kind, wrong answer) variants of a gold answer; kinds that do not apply are left out."""
+    ans = normalize_answer(re.sub(r"(?<!\\)\$", "", answer))
+    out: list[tuple[str, str]] = []
+    bumped = _FIRST_NUMBER.sub(_bump_digit, ans, count=1)
+    if bumped != ans:
+        out.append(("off_by_one", bumped))
+    is_zero = re.fullmatch(r"-?0*(?:\.0*)?", ans) is not None
+    if not is_zero and not re.search(r"[,=<>]|\\in\b|\\cup|\\infty", ans):
+        out.append(("sign_flipped", ans[1:] if ans.startswith("-") else f"-({ans})"))
+    coef = _COEFFICIENT.search(ans)
+    if coef:
+        out.append(("coefficient_changed", ans[:coef.start()] + str(int(coef.group(1)) * 2 + 1) + ans[coef.end():]))
+    close = re.search(r"(?<!\\infty)(?<=[\w}])\s*([)\]])", ans)
+    if "," in ans and close and re.match(r"^\s*[\[(]", ans):
+        i = close.start(1)
+        out.append(("bracket_flipped", ans[:i] + (")" if ans[i] == "]" else "]") + ans[i + 1:]))
+    return out
+
+
+def _within(a: str, b: str, tol: float) -> bool:
+    try:
+        return abs(float(a) - float(b)) <= tol
+    except ValueError:
+        return False
+
+
+@dataclass
+class AuditResult:
+    benchmark: str
+    rows: int
+    accepted: int = 0
+    reference_cases: int = 0
+    rejected: int = 0
+    perturbed_cases: int = 0
+    false_rejects: list[dict] = field(default_factory=list)
+    false_accepts: list[dict] = field(default_factory=list)
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / max(1, self.reference_cases)
+
+    @property
+    def reject_rate(self) -> float:
+        return self.rejected / max(1, self.perturbed_cases)
+
+
+def audit_rows(name: str, rows: list[BenchmarkRow], timeout_s: Optional[int] = 5,
+               progress: Optional[Callable[[int], None]] = None) -> AuditResult:
+    res = AuditResult(name, len(rows))
+    for i, row in enumerate(rows):
+        for kind, text in reference_forms(row.answer, row.unit, row.multiple):
+            g = grade_response(text, row.answer, timeout_s, abs_tol=row.abs_tol)
+            res.reference_cases += 1
+            if g.correct:
+                res.accepted += 1
+            else:
+                res.false_rejects.append({"id": row.id, "gold": row.answer, "form": kind, "response": text,
+                                          "extracted": g.extracted, "status": g.status, "error": g.error})
+        for kind, wrong in perturbations(row.answer):
+            if row.abs_tol > 0 and _within(wrong, row.answer, row.abs_tol):
+                continue  # inside the problem's own tolerance: not a wrong answer
+            g = grade_response(f"The answer is $\\boxed{{{wrong}}}$.", row.answer, timeout_s, abs_tol=row.abs_tol)
+            res.perturbed_cases += 1
+            if g.correct:
+                res.false_accepts.append({"id": row.id, "gold": row.answer, "perturbation": kind, "wrong": wrong})
+            else:
+                res.rejected += 1
+        if progress is not None:
+            progress(i + 1)
+    return res
+
+
+def audit_table(results: list[AuditResult]) -> str:
+    lines = ["| benchmark | rows | reference forms | graded correct | perturbed answers | graded wrong |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.benchmark} | {r.rows} | {r.reference_cases} | {100 * r.accept_rate:.2f}% | "
+                     f"{r.perturbed_cases} | {100 * r.reject_rate:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-opd grade-audit", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--benchmarks", required=True, help="comma list of NAME[=PATH] (as for `megatron-opd eval`)")
+    p.add_argument("--data-dir", default=None, help="folder holding benchmark files under their default names")
+    p.add_argument("--out", default=None, help="write audit.json with every false accept / false reject")
+    p.add_argument("--min-accept", type=float, default=0.995, help="exit 1 below this reference accept rate")
+    p.add_argument("--min-reject", type=float, default=0.995, help="exit 1 below this perturbation reject rate")
+    p.add_argument("--show", type=int, default=5, help="print this many failures per benchmark")
+    args = p.parse_args(argv)
+    try:
+        benches = resolve_benchmarks(args.benchmarks, args.data_dir)
+        loaded = {name: read_benchmark_rows(name, path) for name, path in benches.items()}
+    except (KeyError, ValueError, OSError) as e:
+        print(f"megatron-opd grade-audit: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    results = []
+    for name, (rows, skipped) in loaded.items():
+        res = audit_rows(name, rows)
+        results.append(res)
+        for label, items in (("graded wrong although correct", res.false_rejects),
+                             ("graded correct although wrong", res.false_accepts)):
+            for item in items[:args.show]:
+                print(f"{name}: {label}: {json.dumps(item, ensure_ascii=False)}")
+        if skipped:
+            print(f"{name}: {len(skipped)} row(s) skipped, first: {skipped[0]}")
+    print(audit_table(results))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "audit.json").write_text(json.dumps([r.__dict__ | {"accept_rate": r.accept_rate,
+                                                                   "reject_rate": r.reject_rate} for r in results],
+                                                   indent=2, ensure_ascii=False))
+    ok = all(r.accept_rate >= args.min_accept and r.reject_rate >= args.min_reject for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
