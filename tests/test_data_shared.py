@@ -76,3 +76,17 @@ def test_gsm8k_rationales_last_number_fallback(shared_data):
     assert len(rows) == 1319
     rate = sum(grade_response(r["solution_clean"], r["answer"]).correct for r in rows) / len(rows)
     assert 0.95 <= rate < 1.0
+
+
+def test_grade_audit_on_math500_meets_the_acceptance_bar(shared_data):
+    """Issue 13's bar on the public MATH-500 file: reference answers written as models write them graded
+    correct >= 99.5%, perturbed answers graded wrong >= 99.5% (measured 100% / 100%: 968 and 1003 cases)."""
+    from megatron_opd.eval.audit import audit_rows
+    from megatron_opd.eval.benchmarks import read_benchmark_rows
+
+    rows, skipped = read_benchmark_rows("math500", shared_data / "math500.jsonl")
+    assert len(rows) == 500 and skipped == []
+    res = audit_rows("math500", rows)
+    assert res.reference_cases > 900 and res.perturbed_cases > 900
+    assert res.accept_rate >= 0.995, res.false_rejects[:5]
+    assert res.reject_rate >= 0.995, res.false_accepts[:5]

@@ -113,3 +113,106 @@ def test_grading_works_off_the_main_thread():
     t.start()
     t.join(60)
     assert out["r"].status == "correct"
+
+
+# ---------------------------------------------------------------------------------------------
+# Classes of mis-grading found with the public benchmark files (issue 13). Each class: answers a model
+# writes that must pass, and wrong answers that math-verify alone accepted or that must stay rejected.
+
+@pytest.mark.parametrize("pred", ["4.5 \\times 10^{33}", "4.5\\times10^{33}", "4.5 \\cdot 10^{33}", "4.50 \\times 10^{33}",
+                                  "45 \\times 10^{32}", "4.5e33", "4.5E+33"])
+def test_minerva_e_notation_gold_accepts_how_models_write_it(pred):
+    assert answers_equivalent(pred, "4.5e33")
+
+
+@pytest.mark.parametrize("pred", ["4.6 \\times 10^{33}", "4.5 \\times 10^{32}", "4.5", "33", "4.5e34", "-4.5e33"])
+def test_minerva_e_notation_gold_rejects_wrong_numbers(pred):
+    assert not answers_equivalent(pred, "4.5e33")
+
+
+def test_negative_exponent_e_notation():
+    assert answers_equivalent("1 \\times 10^{-5}", "1e-5") and answers_equivalent("10^{-5}", "1e-5")
+    assert not answers_equivalent("1 \\times 10^{5}", "1e-5")
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("4", "4t"),
+    ("2/3", "\\frac13E_1+\\frac23E_2"),
+    ("\\frac{2}{3}", "\\frac13E_1+\\frac23E_2"),
+    ("\\frac{2}{3} E_{1}+\\frac{2}{3} E_{2}", "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}"),
+    ("-(\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2})", "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}"),
+    ("2", "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}"),
+    ("\\hbar \\omega(v+2 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}",
+     "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}"),
+    ("3", "3x"),
+])
+def test_symbolic_gold_rejects_bare_constants_and_lossy_parses(pred, gold):
+    assert not answers_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("4t", "4t"), ("4 t", "4t"),
+    ("\\frac{1}{3}E_1+\\frac{2}{3}E_2", "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}"),
+    ("\\hbar \\omega(v+1/2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}",
+     "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}"),
+    ("\\frac{4A}{3+3i}e^{it}", "\\frac{4 A}{3+3 i} e^{i t}"),  # math-verify alone rejects this identical pair
+    ("x^2+7x+10", "x^2 + 7x + 10"),
+    ("5", "x=5"),
+])
+def test_symbolic_gold_accepts_the_same_expression(pred, gold):
+    assert answers_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("\\frac{2}{2004!}", "\\frac{1}{2004!}", False),  # math-verify alone: equal (absolute rounding)
+    ("\\frac{1}{2004!}", "\\frac{1}{2004!}", True),
+    ("100001", "100000", False),
+    ("1.4142136", "\\sqrt{2}", True),                 # within REL_TOL
+    ("1.414", "\\sqrt{2}", False),
+    ("0.333", "\\frac{1}{3}", False),
+    ("10^{-12}", "2 \\times 10^{-12}", False),
+    ("50", "50\\%", True),
+])
+def test_numbers_compare_relative_to_their_magnitude(pred, gold, ok):
+    assert answers_equivalent(pred, gold) is ok
+
+
+def test_per_problem_absolute_tolerance():
+    """OlympiadBench's `error` field: within it is correct for that problem only."""
+    assert grade_answer("4.3", "4.2", abs_tol=0.1).correct
+    assert not grade_answer("4.4", "4.2", abs_tol=0.1).correct
+    assert not grade_answer("4.3", "4.2").correct
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("11111111100", "11,\\! 111,\\! 111,\\! 100"),
+    ("118000", "118{,}000"),
+    ("118\\,000", "118000"),
+    ("1.6 \\text{ arcsec}", "1.6"),
+    ("1.6 arcsec", "1.6"),
+    ("5 cm", "5"),
+    ("\\$18.90", "18.90"),
+    ("$69$, $84$", "84, 69"),
+])
+def test_units_separators_and_delimiters_are_normalised(pred, gold):
+    assert answers_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("text, answer, method", [
+    ("x = 3 (by Lemma 2)", "3", "last_number"),
+    ("so x = 3 (by Lemma 2).", "3", "last_number"),
+    ("By Lemma 2, x = 7", "7", "last_number"),
+    ("hence 7 works, as shown in Step 3", "7", "last_number"),
+    ("Thanks -name2010", None, "none"),
+    ("The price is $118 000", "118000", "last_number"),
+    ("the answer is 1.6 arcsec", "1.6", "answer_is"),
+    ("Therefore the answer is $5$ apples.", "5", "answer_is"),
+])
+def test_extraction_ignores_references_signatures_and_units(text, answer, method):
+    ext = extract_answer(text)
+    assert (ext.answer, ext.method) == (answer, method)
+
+
+def test_answer_with_unit_grades_correct_end_to_end():
+    assert grade_response("Converting, the answer is 1.6 arcsec.", "1.6").correct
+    assert not grade_response("x = 3 (by Lemma 2)", "2").correct

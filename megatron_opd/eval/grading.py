@@ -194,9 +194,11 @@ def symbol_letters(ans: str) -> set[str]:
 
 
 def canonical_text(ans: str) -> str:
-    """The answer's text without spacing and sizing commands (a space that ends a command name before a
-    letter is kept: ``\\pi t`` is not ``\\pit``)."""
+    """The answer's text without spacing and sizing commands, with ``\\frac13`` and ``E_{1}`` spelled one
+    way (a space that ends a command name before a letter is kept: ``\\pi t`` is not ``\\pit``)."""
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])|\\[,;:! ]", "", ans)
+    s = re.sub(r"\\frac\s*(\w)\s*(\w)", r"\\frac{\1}{\2}", s)  # \frac13 -> \frac{1}{3}
+    s = re.sub(r"([_^])\{\s*(\w)\s*\}", r"\1\2", s)  # E_{1} -> E_1
     return re.sub(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
 
 
