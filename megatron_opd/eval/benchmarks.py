@@ -1,20 +1,27 @@
-"""Math benchmarks: registry, metrics, and a runner over any rollout engine.
+"""Math benchmarks: registry, public-format loaders, metrics, and a runner over any rollout engine.
 
-Expected files (JSONL, one problem per line). Only MATH-500 is available beside the project
-(``../shared/data/math500.jsonl``); the others are loaded from a path the user gives. Field names follow
-the files commonly distributed with math evaluation suites; the first field present is used:
+Files are JSONL (one problem per line), a ``.json`` array, Parquet or a saved HF dataset, in the formats
+the public evaluation suites distribute (Qwen2.5-Math's ``evaluation/data/<name>/test.jsonl``, the
+original OlympiadBench JSON, the HF copies). Only MATH-500 is available beside the project
+(``../shared/data/math500.jsonl``); the others come from a path the user gives. The first field present
+is used:
 
-==============  =========================  ==============================  ==========================================
-benchmark       default file               problem field                   answer field
-==============  =========================  ==============================  ==========================================
-math500         math500.jsonl              problem                         answer
-minerva         minerva_math.jsonl         problem                         answer, else last \\boxed{} of solution
-olympiadbench   olympiadbench.jsonl        question | problem              final_answer (list, joined) | answer
-amc23           amc23.jsonl                question | problem              answer
-aime24          aime24.jsonl               problem | question | Problem    answer | Answer
-aime25          aime25.jsonl               problem | question | Problem    answer | Answer
-arith           arith_eval.jsonl           problem                         answer   (the built-in CPU-demo set)
-==============  =========================  ==============================  ==========================================
+==============  =========================  ===================  ===============================================
+benchmark       aliases                    problem field        answer field
+==============  =========================  ===================  ===============================================
+math500         math_500, math-500         problem              answer, else last \\boxed{} of solution
+minerva         minerva_math, ocw          problem              answer, else last \\boxed{} of solution
+olympiadbench   olympiad_bench, olympiad   [context +] question final_answer (list, parts joined) | answer
+amc23           amc2023, amc               question | problem   answer (27.0 -> 27)
+aime24          aime2024                   problem | question   answer | Answer
+aime25          aime2025                   problem | question   answer | Answer
+gsm8k           gsm8k_test                 question | problem   answer (after ``####`` when it is a rationale)
+arith           arith_eval                 problem              answer   (the built-in CPU-demo set)
+==============  =========================  ===================  ===============================================
+
+OlympiadBench's ``unit`` and ``error`` (a per-problem absolute tolerance) are kept; a list ``solution``
+is joined. A row without a usable problem or answer is skipped and recorded (``<file>:<line>: reason``)
+in results.json, or is an error with ``on_bad_record=error``.
 
 Metrics per benchmark with k samples per problem (c_i of them correct for problem i):
 ``avg@k`` = mean_i c_i / k (the unbiased pass@1 estimate from k samples), ``pass@1`` = accuracy of the
@@ -22,6 +29,7 @@ first sample of each problem (greedy accuracy when temperature is 0), ``pass@k``
 with at least one correct sample. Response length and truncation rate are reported too, because
 length inflation is the failure mode this project watches.
 """
+
 
 from __future__ import annotations
 
@@ -124,10 +132,12 @@ def resolve_benchmarks(spec: str, data_dir: Optional[str]) -> dict[str, Path]:
             if not p.exists():
                 raise FileNotFoundError(f"--benchmarks {given}: {p} not found")
         elif data_dir:
-            found = [c for c in candidate_files(given, data_dir) if c.is_file()]
+            candidates = candidate_files(given, data_dir)
+            found = [c for c in candidates if c.is_file()]
             if not found:
-                raise FileNotFoundError(f"--benchmarks {given}: no file for it in {data_dir} (looked for "
-                                        f"{get_spec(name).filename}, {given}.jsonl, {given}/test.jsonl, ...)")
+                shown = ", ".join(str(c.relative_to(data_dir)) for c in candidates[:4])
+                raise FileNotFoundError(f"--benchmarks {given}: no file for it in {data_dir} (looked for {shown}, "
+                                        f"... {len(candidates)} names)")
             p = found[0]
         else:
             raise ValueError(f"--benchmarks {given}: no path; give {given}=PATH or --data-dir DIR holding "
