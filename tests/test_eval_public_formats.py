@@ -283,3 +283,11 @@ def test_unreadable_benchmark_file_is_a_data_error(tmp_path):
     p.write_text("[{\"problem\": 1,")
     with pytest.raises(DataError, match="broken.json:1: invalid JSON"):
         read_benchmark_rows("aime24", p)
+
+
+def test_cli_missing_model_is_one_line(tmp_path, capsys):
+    ok = write(tmp_path / "aime24.jsonl", AIME24)
+    rc = main(["--model", str(tmp_path / "nope"), "--benchmarks", f"aime24={ok}", "--out", str(tmp_path / "o")],
+              engine_factory=_never)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and f"--model {tmp_path / 'nope'}: cannot load a tokenizer" in err

@@ -117,7 +117,11 @@ def main(argv: Optional[list[str]] = None, engine_factory: Optional[EngineFactor
         args.k = {name: args.k.get(name, 1) for name in benches}
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    except (OSError, ValueError) as e:
+        return _fail(f"--{'tokenizer' if args.tokenizer else 'model'} {args.tokenizer or args.model}: cannot load "
+                     f"a tokenizer ({str(e).splitlines()[0]})")
     data_cfg = DataConfig(apply_chat_template=not args.no_chat_template, max_prompt_tokens=args.max_prompt_tokens,
                           on_bad_record="error" if args.strict_data else "skip")
     if args.prompt_template is not None:
@@ -131,7 +135,10 @@ def main(argv: Optional[list[str]] = None, engine_factory: Optional[EngineFactor
         if loaded[name].bad:
             print(f"megatron-opd eval: {name}: skipped {len(loaded[name].bad)} row(s) of {path} (listed in "
                   f"results.json); first: {loaded[name].bad[0]}", file=sys.stderr)
-    engine = (engine_factory or _local_engine)(args)
+    try:
+        engine = (engine_factory or _local_engine)(args)
+    except (OSError, ValueError) as e:
+        return _fail(f"--model {args.model}: cannot load the model ({str(e).splitlines()[0]})")
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed)
     try:
