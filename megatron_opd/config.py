@@ -31,7 +31,7 @@ class ModelConfig:
 
     hf_path: Optional[str] = None  # HF directory: config.json + *.safetensors (+ tokenizer)
     megatron_ckpt: Optional[str] = None  # torch_dist checkpoint to start from instead of hf_path
-    family: Literal["auto", "qwen2", "llama"] = "auto"
+    family: Literal["auto", "qwen2", "qwen3", "llama"] = "auto"
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: TE on GPU, local on CPU
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # the frozen reference pi_ref: "same" as params_dtype, or its own (bfloat16 halves its memory and, on

@@ -136,6 +136,7 @@ def test_under_torchrun_world_size_must_match(monkeypatch):
 @pytest.mark.parametrize("family,overrides,load_tp,load_pp", [
     ("qwen2", {}, 1, 1),
     ("llama", {"tie_word_embeddings": True}, 2, 1),
+    ("qwen3", {}, 1, 2),
 ])
 def test_round_trip_through_torch_dist_is_bit_identical(tmp_path, capsys, family, overrides, load_tp, load_pp):
     """HF -> torch_dist written by TP=2 x PP=2 ranks -> HF loaded with another layout (resharding)."""

@@ -77,7 +77,7 @@ def _assert_all(results: list, cases: list, pp: int) -> None:
 
 @pytest.mark.dist  # two megatron processes: ~19 s on the 2-core box, much longer when it is busy
 def test_tp2_logits_match_hf_and_iter_hf_weights_is_exact():
-    cases = [("qwen2", {}), ("llama", {"tie_word_embeddings": True})]
+    cases = [("qwen2", {}), ("llama", {"tie_word_embeddings": True}), ("qwen3", {})]
     _assert_all(run_distributed(_worker, 2, 2, 1, cases), cases, pp=1)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_opd.models.gpt import resolve_layer_spec
-from megatron_opd.models.hf_config import HFConfigError, family_of, rope_settings, transformer_config_from_hf
+from megatron_opd.models.hf_config import (HFConfigError, check_family, family_of, rope_settings,
+                                          transformer_config_from_hf)
 from megatron_opd.models.tiny import tiny_hf_config
 
 
@@ -38,6 +39,23 @@ def test_llama_mapping_tied_head_dim_and_llama3_rope() -> None:
     assert kw["vocab_size"] % 2 == 0 and kw["vocab_size"] >= 127  # padded for the two vocab shards
 
 
+def test_qwen3_mapping_qk_norm_no_bias_explicit_head_dim() -> None:
+    hf = tiny_hf_config("qwen3", tie_word_embeddings=True)
+    cfg, kw = transformer_config_from_hf(hf, tp=2)
+    assert family_of(hf) == "qwen3" and cfg.qk_layernorm and not cfg.add_qkv_bias
+    assert cfg.kv_channels == 24 != cfg.hidden_size // cfg.num_attention_heads
+    assert kw["rotary_base"] == 1000000 and kw["share_embeddings_and_output_weights"] is True
+    qwen2, _ = transformer_config_from_hf(tiny_hf_config("qwen2"))
+    assert not qwen2.qk_layernorm
+
+
+def test_model_family_pins_the_checkpoint_architecture() -> None:
+    check_family("auto", tiny_hf_config("llama"))
+    check_family("qwen3", tiny_hf_config("qwen3"))
+    with pytest.raises(HFConfigError, match="model.family: configured 'qwen2', but ckpt/ is model_type 'qwen3'"):
+        check_family("qwen2", tiny_hf_config("qwen3"), "ckpt/")
+
+
 def test_legacy_rope_fields_from_a_plain_dict() -> None:
     d = {"model_type": "llama", "rope_theta": 20000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}}
     assert rope_settings(d) == {"rotary_base": 20000, "rope_scaling": True, "rope_scaling_factor": 8.0}
@@ -48,6 +66,7 @@ def test_legacy_rope_fields_from_a_plain_dict() -> None:
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, {}, "use_sliding_window"),
     ("qwen2", {"hidden_act": "gelu"}, {}, "hidden_act"),
     ("llama", {"attention_bias": True}, {}, "attention_bias"),
+    ("qwen3", {"attention_bias": True}, {}, "attention_bias"),
     ("llama", {"mlp_bias": True}, {}, "mlp_bias"),
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, {}, "rope_type"),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 2.0,
@@ -68,6 +87,8 @@ def test_unsupported_fields_are_named(family: str, overrides: dict, kwargs: dict
 def test_unknown_family_and_cpu_only_options() -> None:
     with pytest.raises(HFConfigError, match="model_type"):
         family_of({"model_type": "gpt2"})
+    with pytest.raises(HFConfigError, match="qwen3_moe.*mixture of experts"):
+        family_of({"model_type": "qwen3_moe"})
     if not torch.cuda.is_available():
         with pytest.raises(HFConfigError, match="fp8"):
             transformer_config_from_hf(tiny_hf_config("qwen2"), fp8="delayed")

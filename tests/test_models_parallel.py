@@ -203,9 +203,11 @@ CASES = [
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
     ("qwen2", {"vocab_size": 127}),  # odd vocab: TP=2 pads one logits column that must be masked
+    ("qwen3", {}),  # per-head q/k RMSNorm, head_dim (24) != hidden / heads (16)
 ]
 TRAIN_CASE = ("qwen2", {"tie_word_embeddings": True})
-TP2_CASES = [0, 1, 2, 4]
+TP2_CASES = [0, 1, 2, 4, 5]
+PP2_CASES = [0, 1, 5]
 
 
 def _run(world: int, tp: int, pp: int, cases: list, train: bool) -> list[dict]:
@@ -224,7 +226,7 @@ def tp2() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pp2() -> list[dict]:
-    return _run(2, 1, 2, CASES[:2], True)
+    return _run(2, 1, 2, [CASES[i] for i in PP2_CASES], True)
 
 
 def _check_logits(res: dict, case: tuple) -> None:
@@ -234,12 +236,13 @@ def _check_logits(res: dict, case: tuple) -> None:
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=["qwen2", "qwen2-tied", "llama", "llama3-rope-tied",
-                                                       "qwen2-vocab127"])
+                                                       "qwen2-vocab127", "qwen3"])
 def test_gpt_matches_hf_single_rank(single: list[dict], i: int) -> None:
     _check_logits(single[0]["logits"][i], CASES[i])
 
 
-@pytest.mark.parametrize("j", range(len(TP2_CASES)), ids=["qwen2", "qwen2-tied", "llama", "qwen2-vocab127-padded"])
+@pytest.mark.parametrize("j", range(len(TP2_CASES)), ids=["qwen2", "qwen2-tied", "llama", "qwen2-vocab127-padded",
+                                                          "qwen3"])
 def test_tp2_matches_hf_and_tp1(tp2: list[dict], single: list[dict], j: int) -> None:
     i = TP2_CASES[j]
     for res in tp2:  # both TP ranks hold the same (replicated) log-probs
@@ -250,11 +253,11 @@ def test_tp2_matches_hf_and_tp1(tp2: list[dict], single: list[dict], j: int) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("i", range(2), ids=["qwen2", "qwen2-tied"])
-def test_pp2_matches_hf(pp2: list[dict], i: int) -> None:
+@pytest.mark.parametrize("j", range(len(PP2_CASES)), ids=["qwen2", "qwen2-tied", "qwen3"])
+def test_pp2_matches_hf(pp2: list[dict], j: int) -> None:
     first, last = pp2
-    assert first["logits"][i] == {}
-    _check_logits(last["logits"][i], CASES[i])
+    assert first["logits"][j] == {}
+    _check_logits(last["logits"][j], CASES[PP2_CASES[j]])
 
 
 def _train_to_hf(results: list[dict], hf_config) -> dict:

@@ -37,7 +37,7 @@ def gather(lp, ids):
     return lp.gather(-1, torch.tensor(ids)[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_logprobs_match_teacher_forcing(family):
     model = make_tiny_hf_model(family, seed=1)
     eng = LocalEngine(model, eos_token_ids=[2])

@@ -15,6 +15,8 @@ CASES = {
     "qwen2_tied": ("qwen2", {"tie_word_embeddings": True}),
     "llama": ("llama", {}),
     "llama_tied_mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True}),
 }
 
 
@@ -173,3 +175,17 @@ def test_bucket_hf_weights_respects_budget_and_order():
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4"], ["t5"]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         list(wm.bucket_hf_weights(items, 0))
+
+
+def test_qwen3_qk_norms_map_to_q_k_layernorm_and_are_required():
+    sd, cfg = _hf("qwen3")
+    ranks = _all_ranks(sd, cfg, 2, 2)
+    for t in range(2):  # replicated on every TP rank; stage 1 holds HF layers 2, 3 as local 0, 1
+        assert torch.equal(ranks[(t, 1)]["decoder.layers.1.self_attention.k_layernorm.weight"],
+                           sd["model.layers.3.self_attn.k_norm.weight"])
+        assert ranks[(t, 0)]["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (24,)
+    broken = {k: v for k, v in sd.items() if k != "model.layers.1.self_attn.q_norm.weight"}
+    with pytest.raises(wm.WeightMappingError, match=r"missing.*model\.layers\.1\.self_attn\.q_norm\.weight"):
+        wm.hf_to_megatron_state_dict(broken, cfg)
+    with pytest.raises(wm.WeightMappingError, match="attention_bias"):
+        wm.ModelDims.from_hf({**cfg.to_dict(), "attention_bias": True})

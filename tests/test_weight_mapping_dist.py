@@ -48,6 +48,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, hf_sd: dict, cfg: dict
 @pytest.mark.parametrize("family,overrides,tp,pp", [
     ("qwen2", {"vocab_size": 100}, 2, 2),  # vocab 100 -> padded to 112: pad rows must not leak out
     ("llama", {"tie_word_embeddings": True}, 2, 2),
+    ("qwen3", {"tie_word_embeddings": True}, 2, 2),
 ])
 def test_iter_hf_weights_gathers_exact_hf_state_dict(family, overrides, tp, pp):
     from megatron_opd.models.tiny import make_tiny_hf_model

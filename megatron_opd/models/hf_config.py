@@ -1,7 +1,8 @@
 """HF ``config.json`` -> megatron-core ``TransformerConfig`` plus the ``GPTModel`` constructor kwargs.
 
-Supported families: Qwen2 / Qwen2.5 (``model_type=qwen2``: QKV bias, GQA, tied or untied embeddings)
-and Llama-style (``model_type=llama``: SmolLM2, Llama 3 incl. ``rope_type=llama3``). Anything in the
+Supported families: Qwen2 / Qwen2.5 (``model_type=qwen2``: QKV bias, GQA, tied or untied embeddings),
+Qwen3 dense (``model_type=qwen3``: per-head q/k RMSNorm, no QKV bias, explicit ``head_dim``) and
+Llama-style (``model_type=llama``: SmolLM2, Llama 3.x incl. ``rope_type=llama3``). Anything in the
 HF config that the megatron model would silently compute differently is rejected with a
 ``HFConfigError`` naming the field, because a model that loads but computes something else is the
 worst failure mode for distillation (teacher/student log-probs would be quietly wrong).
@@ -15,7 +16,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-Family = Literal["qwen2", "llama"]
+Family = Literal["qwen2", "qwen3", "llama"]
 
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these llama3 parameters (only `factor` is
 # configurable), so a checkpoint with different values cannot be reproduced.
@@ -33,13 +34,23 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 def family_of(hf_config: Any) -> Family:
-    """'qwen2' or 'llama' from ``model_type``; anything else is an error naming the field."""
+    """'qwen2', 'qwen3' or 'llama' from ``model_type``; anything else is an error naming the field."""
     mt = _get(hf_config, "model_type")
-    if mt in ("qwen2",):
-        return "qwen2"
-    if mt in ("llama",):
-        return "llama"
-    raise HFConfigError(f"model_type: unsupported {mt!r} (supported: qwen2, llama)")
+    if mt in ("qwen2", "qwen3", "llama"):
+        return mt
+    if mt == "qwen3_moe":
+        raise HFConfigError("model_type: 'qwen3_moe' (mixture of experts) is not supported; dense qwen3 is")
+    raise HFConfigError(f"model_type: unsupported {mt!r} (supported: qwen2, qwen3, llama)")
+
+
+def check_family(expected: str, hf_config: Any, where: str = "the checkpoint") -> None:
+    """`model.family` pins the architecture the run was configured for: a checkpoint of another family is
+    an error naming both, not a silently different model."""
+    if expected == "auto":
+        return
+    got = family_of(hf_config)
+    if got != expected:
+        raise HFConfigError(f"model.family: configured {expected!r}, but {where} is model_type {got!r}")
 
 
 def rope_settings(hf_config: Any) -> dict[str, Any]:
@@ -121,9 +132,10 @@ def transformer_config_from_hf(
     if act != "silu":
         raise HFConfigError(f"hidden_act: only silu (SwiGLU MLP) is supported, got {act!r}")
     _check_sliding_window(hf_config)
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         if _get(hf_config, "attention_bias", False):
-            raise HFConfigError("attention_bias: Llama attention biases (incl. o_proj) are not supported")
+            raise HFConfigError("attention_bias: attention biases on q/k/v and o_proj are not supported")
+    if family == "llama":
         if _get(hf_config, "mlp_bias", False):
             raise HFConfigError("mlp_bias: Llama MLP biases are not supported")
         if int(_get(hf_config, "pretraining_tp", 1) or 1) != 1:
@@ -177,6 +189,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=(family == "qwen2"),
+        qk_layernorm=(family == "qwen3"),
         hidden_dropout=0.0,
         attention_dropout=attn_dropout,
         attention_softmax_in_fp32=True,
@@ -232,4 +245,4 @@ def transformer_config_from_hf(
     return config, gpt_kwargs
 
 
-__all__ = ["HFConfigError", "family_of", "rope_settings", "transformer_config_from_hf"]
+__all__ = ["HFConfigError", "check_family", "family_of", "rope_settings", "transformer_config_from_hf"]

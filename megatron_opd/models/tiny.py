@@ -8,12 +8,13 @@ from typing import Any, Literal
 
 import torch
 
-Family = Literal["qwen2", "llama"]
+Family = Literal["qwen2", "qwen3", "llama"]
 
 
 def tiny_hf_config(family: Family = "qwen2", **overrides: Any):
-    """A small config of the given family. Defaults exercise GQA, untied embeddings and (Qwen2) QKV bias."""
-    from transformers import LlamaConfig, Qwen2Config
+    """A small config of the given family. Defaults exercise GQA, untied embeddings, (Qwen2) QKV bias and
+    (Qwen3) q/k norms with a head_dim that is not hidden_size / heads."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -21,10 +22,12 @@ def tiny_hf_config(family: Family = "qwen2", **overrides: Any):
                   pad_token_id=0)
     if family == "qwen2":
         cfg = Qwen2Config(**{**common, "rope_theta": 10000.0, **overrides})
+    elif family == "qwen3":
+        cfg = Qwen3Config(**{**common, "rope_theta": 1000000.0, "head_dim": 24, "attention_bias": False, **overrides})
     elif family == "llama":
         cfg = LlamaConfig(**{**common, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, **overrides})
     else:
-        raise ValueError(f"family: unknown {family!r} (expected qwen2 or llama)")
+        raise ValueError(f"family: unknown {family!r} (expected qwen2, qwen3 or llama)")
     return cfg
 
 

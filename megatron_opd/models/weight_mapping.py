@@ -1,4 +1,4 @@
-"""THE one HF <-> megatron-core name/shape mapping, for dense Qwen2/Qwen2.5 and Llama-style models.
+"""THE one HF <-> megatron-core name/shape mapping, for dense Qwen2/Qwen2.5, Qwen3 and Llama-style models.
 
 Used by the checkpoint converter (static per-rank state dicts) and by the live weight sync to
 rollout engines (`iter_hf_weights`, which gathers a sharded model into HF-named full tensors).
@@ -13,6 +13,8 @@ Megatron-core GPTModel layout (verified against megatron-core 0.16.1):
   and TP ranks hold contiguous row chunks of that interleaved tensor (whole groups, as tp | ng).
 * `...linear_proj.weight` and `mlp.linear_fc2.weight`: row-parallel, column chunks.
 * `mlp.linear_fc1.weight`: each TP rank holds `[gate_shard_r; up_shard_r]`.
+* Qwen3's per-head q/k RMSNorms (`self_attn.q_norm` / `k_norm`, `[head_dim]`): replicated, as
+  `self_attention.q_layernorm.weight` / `k_layernorm.weight` (local and TE spec alike).
 * layer norms: replicated. Local spec: `input_layernorm.weight`, `pre_mlp_layernorm.weight`;
   TE spec (`te_names=True`): fused into `self_attention.linear_qkv.layer_norm_weight` and
   `mlp.linear_fc1.layer_norm_weight`.
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 DEFAULT_VOCAB_DIVISIBLE_BY = 1
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 # HF checkpoints from older transformers versions may carry these non-parameter buffers.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -70,6 +72,7 @@ class ModelDims:
     vocab_size: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelDims":
@@ -89,6 +92,10 @@ class ModelDims:
                                      f"num_attention_heads={heads}")
         if model_type == "qwen2":
             qkv_bias = True
+        elif model_type == "qwen3":
+            if _cfg_get(hf_config, "attention_bias", False):
+                raise WeightMappingError("config.attention_bias: True (bias on q/k/v AND o_proj) is not supported")
+            qkv_bias = False
         else:
             if _cfg_get(hf_config, "mlp_bias", False):
                 raise WeightMappingError("config.mlp_bias: True is not supported (megatron local spec has no MLP bias "
@@ -100,7 +107,8 @@ class ModelDims:
                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                    ffn_hidden_size=_cfg_get(hf_config, "intermediate_size"),
                    vocab_size=_cfg_get(hf_config, "vocab_size"),
-                   tied=bool(_cfg_get(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias)
+                   tied=bool(_cfg_get(hf_config, "tie_word_embeddings", False)), qkv_bias=qkv_bias,
+                   qk_norm=model_type == "qwen3")
 
     @property
     def q_per_group(self) -> int:
@@ -145,6 +153,7 @@ def _hf_layer(i: int) -> dict[str, str]:
             "q": p + "self_attn.q_proj.weight", "k": p + "self_attn.k_proj.weight", "v": p + "self_attn.v_proj.weight",
             "q_bias": p + "self_attn.q_proj.bias", "k_bias": p + "self_attn.k_proj.bias",
             "v_bias": p + "self_attn.v_proj.bias", "o": p + "self_attn.o_proj.weight",
+            "q_norm": p + "self_attn.q_norm.weight", "k_norm": p + "self_attn.k_norm.weight",
             "gate": p + "mlp.gate_proj.weight", "up": p + "mlp.up_proj.weight", "down": p + "mlp.down_proj.weight"}
 
 
@@ -154,6 +163,7 @@ def _mg_layer(i: int, te_names: bool) -> dict[str, str]:
             "post_norm": p + ("mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight"),
             "qkv": p + "self_attention.linear_qkv.weight", "qkv_bias": p + "self_attention.linear_qkv.bias",
             "proj": p + "self_attention.linear_proj.weight", "fc1": p + "mlp.linear_fc1.weight",
+            "q_norm": p + "self_attention.q_layernorm.weight", "k_norm": p + "self_attention.k_layernorm.weight",
             "fc2": p + "mlp.linear_fc2.weight"}
 
 
@@ -179,6 +189,9 @@ def hf_param_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         if d.qkv_bias:
             out[n["v_bias"]] = (kv,)
         out[n["o"]] = (h, d.num_heads * d.head_dim)
+        if d.qk_norm:
+            out[n["q_norm"]] = (d.head_dim,)
+            out[n["k_norm"]] = (d.head_dim,)
         out[n["gate"]] = (d.ffn_hidden_size, h)
         out[n["up"]] = (d.ffn_hidden_size, h)
         out[n["down"]] = (h, d.ffn_hidden_size)
@@ -209,6 +222,9 @@ def megatron_param_shapes(hf_config: Any, tp_size: int = 1, pp_rank: int = 0, pp
         if d.qkv_bias:
             out[n["qkv_bias"]] = (d.qkv_rows // tp_size,)
         out[n["proj"]] = (h, d.num_heads * d.head_dim // tp_size)
+        if d.qk_norm:
+            out[n["q_norm"]] = (d.head_dim,)
+            out[n["k_norm"]] = (d.head_dim,)
         out[n["post_norm"]] = (h,)
         out[n["fc1"]] = (2 * f // tp_size, h)
         out[n["fc2"]] = (h, f // tp_size)
@@ -324,6 +340,8 @@ def hf_to_megatron_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_config: Any,
             qkv_b = _qkv_to_megatron(hf_sd[hn["q_bias"]], hf_sd[hn["k_bias"]], hf_sd[hn["v_bias"]], d)
             out[mn["qkv_bias"]] = _shard(qkv_b, tp_rank, tp_size, 0)
         out[mn["proj"]] = _shard(hf_sd[hn["o"]], tp_rank, tp_size, 1)
+        if d.qk_norm:
+            out[mn["q_norm"]], out[mn["k_norm"]] = hf_sd[hn["q_norm"]], hf_sd[hn["k_norm"]]
         out[mn["post_norm"]] = hf_sd[hn["post_norm"]]
         out[mn["fc1"]] = _fc1_shard(hf_sd[hn["gate"]], hf_sd[hn["up"]], tp_rank, tp_size)
         out[mn["fc2"]] = _shard(hf_sd[hn["down"]], tp_rank, tp_size, 1)
@@ -438,6 +456,8 @@ def _layer_to_hf(shards, replicated, hn: dict[str, str], mn: dict[str, str], d: 
     if d.qkv_bias:
         out[hn["q_bias"]], out[hn["k_bias"]], out[hn["v_bias"]] = _qkv_to_hf(torch.cat(shards(mn["qkv_bias"]), 0), d)
     out[hn["o"]] = torch.cat(shards(mn["proj"]), 1)
+    if d.qk_norm:
+        out[hn["q_norm"]], out[hn["k_norm"]] = replicated(mn["q_norm"]), replicated(mn["k_norm"])
     out[hn["post_norm"]] = replicated(mn["post_norm"])
     out[hn["gate"]], out[hn["up"]] = _fc1_to_hf(shards(mn["fc1"]))
     out[hn["down"]] = torch.cat(shards(mn["fc2"]), 1)
@@ -545,8 +565,10 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None
 
 def _hf_layer_order(hn: dict[str, str], d: ModelDims) -> list[str]:
     """One layer's HF names in the order HF modules register them."""
-    keys = ["q", "q_bias", "k", "k_bias", "v", "v_bias", "o", "gate", "up", "down", "input_norm", "post_norm"]
-    return [hn[k] for k in keys if d.qkv_bias or not k.endswith("_bias")]
+    keys = ["q", "q_bias", "k", "k_bias", "v", "v_bias", "o", "q_norm", "k_norm", "gate", "up", "down", "input_norm",
+            "post_norm"]
+    skip = (set() if d.qkv_bias else {"q_bias", "k_bias", "v_bias"}) | (set() if d.qk_norm else {"q_norm", "k_norm"})
+    return [hn[k] for k in keys if k not in skip]
 
 
 def _device_of(sd: Mapping[str, torch.Tensor]) -> torch.device:

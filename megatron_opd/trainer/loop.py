@@ -29,6 +29,7 @@ from megatron_opd.config import Config, dump_config
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch
 from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
+from megatron_opd.models.hf_config import check_family
 from megatron_opd.models.parallel import host_group
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.policy import MegatronPolicy, resolve_dtype
@@ -118,6 +119,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
+        check_family(cfg.model.family, hf_config, cfg.model.hf_path)
         student_sd = load_hf_state_dict(cfg.model.hf_path)
         steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
         self.student = MegatronPolicy(hf_config, student_sd, cfg, trainable=True, total_steps=steps)
