@@ -72,6 +72,9 @@ class TeacherConfig:
     # {tp_size: 2} or, on a CPU machine, {device: cpu, attention_backend: torch_native, dtype: float32,
     # disable_cuda_graph: true, mem_fraction_static: 0.05}; passed as --key-with-dashes value (true: bare flag).
     sglang_args: dict[str, Any] = field(default_factory=dict)
+    # at train start (teacher/fidelity.py): tokenizers, special tokens, chat template, EOS ids and the golden
+    # data's end token of student and teacher must agree; "error" stops before any model loads, "warn" logs.
+    preflight: Literal["error", "warn", "off"] = "error"
 
 
 @dataclass
@@ -95,6 +98,10 @@ class RolloutConfig:
     # backend=local: torch threads while decoding, restored afterwards. 0 (auto): torch's own, dropping to
     # one thread when a decode step stalls (> 3x the call's fastest: another process took a core; two threads
     # then ran 5-10x slower than one on a 2-core host); rollout/local.py STALL_*
+    # step 1: the engine's behaviour log-probs against the trainer's pi_old on the same tokens; a mean
+    # |difference| above max_engine_logp_absdiff is an error / a warning (dtype, unsynced weights, sampling)
+    parity_check: Literal["error", "warn", "off"] = "error"
+    max_engine_logp_absdiff: float = 0.1
     num_threads: int = 0
     # backend=local: the engine's weights. "auto": the student's params_dtype. bfloat16 with an fp32 student
     # decodes ~2x faster on CPUs with bf16 GEMMs and on GPUs; sampling and log-probs stay fp32, pi_old is
@@ -255,6 +262,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and ("off" if value is False else "on") in choices:
+            value = "off" if value is False else "on"  # YAML 1.1 reads a bare off / on as a boolean
         if value not in choices:
             raise ConfigError(f"{key}: must be one of {list(choices)}, got {value!r}")
         return value
@@ -453,6 +462,8 @@ def validate(cfg: Config) -> None:
         logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
     need(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0: auto), got {r.num_threads}")
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
+    need(r.max_engine_logp_absdiff > 0, "rollout.max_engine_logp_absdiff",
+         f"must be > 0, got {r.max_engine_logp_absdiff}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
     for key, size in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
                       ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),

@@ -34,6 +34,16 @@ def prepare_models(cache: Path, tiny: bool) -> tuple[Path, Path]:
     return student, teacher
 
 
+def _tiny_model_ok(d: Path) -> bool:
+    """A cached tiny model is reused only if its saved tokenizer, as loaded, fits its vocab rows (caches from
+    before the toy tokenizer named its unk token load with one id more than the model has)."""
+    if not (d / "config.json").is_file():
+        return False
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(d))) <= json.loads((d / "config.json").read_text())["vocab_size"]
+
+
 def _tiny_models(root: Path) -> tuple[Path, Path]:
     from megatron_opd.data.toy_tokenizer import byte_tokenizer
     from megatron_opd.models.tiny import make_tiny_hf_model
@@ -42,7 +52,7 @@ def _tiny_models(root: Path) -> tuple[Path, Path]:
     out = []
     for name, seed, layers in (("student", 0, 2), ("teacher", 1, 3)):
         d = root / name
-        if not (d / "config.json").is_file():
+        if not _tiny_model_ok(d):
             make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), num_hidden_layers=layers,
                                eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=2048)
             tok.save_pretrained(str(d))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata as md
 import platform
@@ -35,6 +36,26 @@ def report() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    for k, v in report().items():
-        print(f"{k:22s} {v}")
+    p = argparse.ArgumentParser(prog="megatron-opd doctor", description=__doc__)
+    p.add_argument("--pair", nargs=2, metavar=("STUDENT", "TEACHER"), default=None,
+                   help="check a student/teacher pair of HF directories (tokenizers, special tokens, chat template, "
+                        "EOS ids, golden end token, vocab padding); exit 1 if they disagree")
+    p.add_argument("--no-chat-template", action="store_true", help="the run feeds raw prompts (no chat template)")
+    args = p.parse_args(argv)
+    if args.pair is None:
+        for k, v in report().items():
+            print(f"{k:22s} {v}")
+        return 0
+    from megatron_opd.teacher.fidelity import check_pair
+
+    student, teacher = args.pair
+    try:
+        pair = check_pair(student, teacher, chat_template=not args.no_chat_template)
+    except (OSError, ValueError) as e:
+        print(f"megatron-opd doctor: --pair: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"student {student}\nteacher {teacher}\n{pair.render()}")
+    if pair.errors:
+        print(f"\n{len(pair.errors)} problem(s): this pair would train on mismatched tokens", file=sys.stderr)
+        return 1
     return 0

@@ -222,3 +222,14 @@ def test_string_fields_take_override_text_as_typed():
         load_config(overrides=["optim.lr={x} y"])
     with pytest.raises(ConfigError, match=r"^checkpoint\.save_every"):
         load_config(overrides=["checkpoint.save_every=0"])
+
+
+def test_bare_off_in_yaml_is_the_off_choice_not_a_boolean(tmp_path):
+    """YAML 1.1 reads `off` as False; Literal choices that include "off" take it back."""
+    p = tmp_path / "c.yaml"
+    p.write_text("teacher:\n  preflight: off\nrollout:\n  parity_check: off\n")
+    cfg = load_config(p, ["rollout.parity_check=warn"])
+    assert cfg.teacher.preflight == "off" and cfg.rollout.parity_check == "warn"
+    assert load_config(None, ["rollout.parity_check=off"]).rollout.parity_check == "off"
+    with pytest.raises(ConfigError, match="algo.preset"):
+        load_config(None, ["algo.preset=off"])

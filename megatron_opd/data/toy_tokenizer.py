@@ -31,7 +31,10 @@ def byte_tokenizer(chat_template: bool = True, bos: bool = False) -> Any:
     tok.decoder = decoders.ByteLevel()
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    kwargs = dict(pad_token="<|pad|>", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    # unk = pad: byte-level BPE never needs it, and without one a Qwen2-class loader adds <|endoftext|> as
+    # an extra id the tiny models have no row for (teacher/fidelity.py reports exactly that)
+    kwargs = dict(pad_token="<|pad|>", unk_token="<|pad|>", eos_token="<|im_end|>",
+                  additional_special_tokens=["<|im_start|>"])
     if bos:
         kwargs["bos_token"] = "<|im_start|>"
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)

@@ -84,11 +84,13 @@ def validate_scores(scores: list[TeacherScore], responses: list[list[int]], top_
     return scores
 
 
-def scores_from_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int) -> TeacherScore:
-    """logits [T, V] predicting targets [T] -> TeacherScore (float32 log-softmax over the full vocab)."""
+def scores_from_logits(logits: torch.Tensor, targets: torch.Tensor, top_k: int,
+                       id_limit: Optional[int] = None) -> TeacherScore:
+    """logits [T, V] predicting targets [T] -> TeacherScore (float32 log-softmax over the full vocab);
+    top-k candidates are ids below `id_limit` when given (see teacher/fidelity.py)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     out = TeacherScore(logprobs=lp.gather(-1, targets[:, None])[:, 0].contiguous())
     if top_k > 0:
-        vals, ids = torch.topk(lp, top_k, dim=-1)
+        vals, ids = torch.topk(lp[:, :id_limit] if id_limit is not None else lp, top_k, dim=-1)
         out.topk_ids, out.topk_logprobs = ids, vals
     return out

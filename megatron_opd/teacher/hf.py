@@ -23,6 +23,7 @@ class HFTeacher:
         self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
         self.pad_token_id = pad_token_id
         self.vocab_size = int(model.config.vocab_size)
+        self.topk_id_limit: Optional[int] = None  # teacher/fidelity.py topk_id_limit: ids the student has
         self._device = next(model.parameters()).device
 
     @classmethod
@@ -57,5 +58,6 @@ class HFTeacher:
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
             P, T = len(p), len(r)
-            out.append(scores_from_logits(logits[i, P - 1:P - 1 + T].cpu(), torch.tensor(r, dtype=torch.long), top_k))
+            out.append(scores_from_logits(logits[i, P - 1:P - 1 + T].cpu(), torch.tensor(r, dtype=torch.long), top_k,
+                                          self.topk_id_limit))
         return out

@@ -18,13 +18,16 @@ from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
 
 
-def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group: Any
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group: Any,
+                        id_limit: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k full-vocab log-probs of vocab-sharded logits [N, V/tp] -> (ids [N, k], logprobs [N, k]).
     Each rank proposes its local top-k; the global top-k is among the gathered tp*k candidates.
-    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded: their ids never appear."""
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"top_k: must be in [1, vocab_size={vocab_size}], got {k}")
+    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded: their ids never appear.
+    `id_limit` also keeps ids at or beyond it out of the candidates (not out of the normalisation): a
+    teacher with more vocab rows than the student must not hand it ids it does not have."""
+    limit = vocab_size if id_limit is None else min(vocab_size, id_limit)
+    if not 1 <= k <= limit:
+        raise ValueError(f"top_k: must be in [1, {limit}] (vocab_size={vocab_size}, id_limit={id_limit}), got {k}")
     x = logits.float()
     size = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -41,6 +44,10 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group:
     if size > 1:
         dist.all_reduce(sumexp, group=tp_group)
     lp = x - (m + sumexp.log())[:, None]
+    n_cand = max(0, min(v_local, limit - start))
+    if n_cand < v_local:
+        lp = lp.clone()
+        lp[:, n_cand:] = float("-inf")
     kk = min(k, v_local)
     vals, ids = torch.topk(lp, kk, dim=-1)
     ids = ids + start
@@ -54,7 +61,7 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group:
     best_ids = ids.gather(-1, pos)
     # A padding column can only win with non-finite logits: report its log-prob as NaN (the trainer
     # then skips the step on every rank) and never hand out its id.
-    pad = best_ids >= vocab_size
+    pad = best_ids >= limit
     return best_ids.masked_fill(pad, 0), best_vals.masked_fill(pad, float("nan"))
 
 
@@ -72,6 +79,7 @@ class MegatronTeacher:
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.micro_batch_size = micro_batch_size
         self.pad_token_id = pad_token_id
+        self.topk_id_limit: Optional[int] = None  # teacher/fidelity.py topk_id_limit: ids the student has
 
     @classmethod
     def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
@@ -127,7 +135,8 @@ class MegatronTeacher:
             rep = {"logp": lp.float()}
             if K:
                 b, s, v = logits.shape
-                tid, tlp = vocab_parallel_topk(logits.reshape(b * s, v), K, self.vocab_size, tp_group)
+                tid, tlp = vocab_parallel_topk(logits.reshape(b * s, v), K, self.vocab_size, tp_group,
+                                               self.topk_id_limit)
                 rep["topk_ids"], rep["topk_lp"] = tid.reshape(b, s, K), tlp.reshape(b, s, K)
             return lp.sum() * 0.0, rep
 

@@ -20,14 +20,22 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from megatron_opd.teacher.fidelity import PairMismatchError
     from megatron_opd.trainer.loop import Trainer, TrainingStopped
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except PairMismatchError as e:
+        print(f"preflight: {e}", file=sys.stderr)
+        return 2
     try:
         trainer.train()
     except TrainingStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except PairMismatchError as e:
+        print(f"preflight: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0

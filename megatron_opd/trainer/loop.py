@@ -120,6 +120,7 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
         check_family(cfg.model.family, hf_config, cfg.model.hf_path)
+        self._preflight()
         student_sd = load_hf_state_dict(cfg.model.hf_path)
         steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
         self.student = MegatronPolicy(hf_config, student_sd, cfg, trainable=True, total_steps=steps)
@@ -175,10 +176,50 @@ class Trainer:
         if self.beta_kl > 0 and self.ref is None:
             self.ref = self._build_ref()
 
+    def _preflight(self) -> None:
+        """teacher/fidelity.py checks of the student/teacher pair before any model loads (teacher.preflight)."""
+        from megatron_opd.teacher.fidelity import check_pair
+
+        t = self.cfg.teacher
+        if t.preflight == "off" or t.hf_path is None:
+            return
+        report = check_pair(self.cfg.model.hf_path, t.hf_path, chat_template=self.cfg.data.apply_chat_template)
+        if self.rank == 0:
+            logger.info("student/teacher preflight (%s vs %s):\n%s", self.cfg.model.hf_path, t.hf_path, report.render())
+        if report.errors and t.preflight == "error":
+            report.raise_for_errors()
+        for f in report.errors if self.rank == 0 else []:
+            logger.warning("teacher.preflight=warn: %s: %s", f.check, f.message)
+
+    def _check_engine_parity(self, metrics: dict[str, float]) -> None:
+        """Step 1: the engine's behaviour log-probs against the trainer's pi_old on the same tokens
+        (rollout.parity_check, rollout.max_engine_logp_absdiff)."""
+        gap = metrics.get("rollout/engine_trainer_logp_absdiff")
+        r = self.cfg.rollout
+        if self.step != 1 or gap is None or not math.isfinite(gap) or r.parity_check == "off":
+            return
+        worst = metrics.get("rollout/engine_trainer_logp_absdiff_max", float("nan"))
+        msg = (f"rollout engine vs trainer log-probs at step 1: mean |diff| {gap:.3g}, max {worst:.3g} "
+               f"(rollout.max_engine_logp_absdiff={r.max_engine_logp_absdiff})")
+        if gap <= r.max_engine_logp_absdiff:
+            if self.rank == 0:
+                logger.info("%s: ok", msg)
+            return
+        if r.parity_check == "error":
+            from megatron_opd.teacher.fidelity import PairMismatchError
+
+            raise PairMismatchError(f"{msg}: the engine samples from another policy than the one trained "
+                                    "(dtype, weights not synced, sampling settings?)")
+        if self.rank == 0:
+            logger.warning("%s", msg)
+
+    def _topk_id_limit(self, teacher_vocab: int) -> int:
+        from megatron_opd.teacher.fidelity import topk_id_limit
+
+        return topk_id_limit(self.student.vocab_size, teacher_vocab, len(self.tokenizer))
+
     def _build_teacher(self) -> None:
         from transformers import AutoConfig
-
-        from megatron_opd.rollout.base import check_eos_compat
 
         t = self.cfg.teacher
         if t.backend == "megatron":
@@ -190,7 +231,6 @@ class Trainer:
                 raise ValueError("teacher.tensor_model_parallel_size/pipeline_model_parallel_size: an in-process "
                                  "megatron teacher shares the student's layout; serve a differently laid out "
                                  "teacher with teacher.backend=sglang")
-            check_eos_compat(self.cfg.model.hf_path, t.hf_path)
             self.teacher_policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path), load_hf_state_dict(t.hf_path),
                                                  self.cfg, trainable=False, params_dtype=t.params_dtype,
                                                  temperature=1.0)  # the teacher's own distribution
@@ -198,16 +238,14 @@ class Trainer:
             if t.backend == "hf":
                 from megatron_opd.teacher.hf import HFTeacher
 
-                check_eos_compat(self.cfg.model.hf_path, t.hf_path)
                 self.teacher = HFTeacher.from_pretrained(t.hf_path, micro_batch_size=t.micro_batch_size)
+                self.teacher.topk_id_limit = self._topk_id_limit(self.teacher.vocab_size)
             else:
                 from megatron_opd.rollout.base import eos_ids_from
                 from megatron_opd.rollout.server import api_key_from_env
                 from megatron_opd.teacher.sglang import SGLangTeacher
 
                 eos = eos_ids_from(self.cfg.model.hf_path)
-                if t.hf_path is not None:
-                    check_eos_compat(self.cfg.model.hf_path, t.hf_path)
                 # the served model's config.vocab_size (SGLang labels its last id as 0: teacher/sglang.py)
                 vocab = AutoConfig.from_pretrained(t.hf_path or self.cfg.model.hf_path).vocab_size
                 self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
@@ -298,6 +336,12 @@ class Trainer:
             if gold and cfg.algo.golden_loss == "fkl_topk" and cfg.algo.lambda_gold > 0:
                 gs = self.teacher.score([items[i].prompt_ids for i in gold], [items[i].response_ids for i in gold],
                                         top_k=cfg.teacher.top_k)
+                limit = self._topk_id_limit(getattr(self.teacher, "vocab_size", None) or self.student.vocab_size)
+                worst = max((int(s.topk_ids.max()) for s in gs if s.topk_ids is not None and s.topk_ids.numel()),
+                            default=-1)
+                if worst >= limit:
+                    raise ValueError(f"teacher top-{cfg.teacher.top_k}: id {worst} is outside the ids the student "
+                                     f"has (< {limit}); serve a teacher whose vocab matches (teacher/fidelity.py)")
                 teacher["topk"] = {i: (s.topk_ids, s.topk_logprobs) for i, s in zip(gold, gs)}
         return {"items": items, "teacher": teacher, "texts": texts, "prompt_texts": prompt_texts,
                 "records": [r.id for r in records]}
@@ -328,7 +372,8 @@ class Trainer:
         if not (algo.golden_loss == "fkl_topk" and algo.lambda_gold > 0 and bool(batch.is_golden.any())):
             return
         ids, lps = self.teacher_policy.score_topk(batch, self.cfg.teacher.top_k, batch.is_golden,
-                                                  micro_batch_size=self.cfg.train.micro_batch_size)
+                                                  micro_batch_size=self.cfg.train.micro_batch_size,
+                                                  id_limit=self._topk_id_limit(self.teacher_policy.vocab_size))
         batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
     def _adv_stats(self, mb: TrainBatch, algo: Any) -> tuple[float, float, float]:
@@ -512,6 +557,7 @@ class Trainer:
                         "time/step_s": time.time() - t0, "train/beta_kl": self.beta_kl,
                         "train/weight_version": float(self.weight_version)})
         self.step += 1
+        self._check_engine_parity(metrics)
         return metrics
 
     def _release_engine(self) -> None:
@@ -559,6 +605,7 @@ class Trainer:
                 if roll.any():
                     diff = (batch.behaviour_logp - batch.extras["old_logp"]).abs()[roll]
                     local["rollout/engine_trainer_logp_absdiff"] = float(diff.mean())
+                    local["rollout/engine_trainer_logp_absdiff_max"] = float(diff.max())
         gathered = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()

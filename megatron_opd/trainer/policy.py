@@ -147,11 +147,11 @@ class MegatronPolicy:
         return self._scatter(torch.stack(out, dim=-1), batch)
 
     @torch.no_grad()
-    def score_topk(self, batch: TrainBatch, k: int, rows: torch.Tensor, micro_batch_size: int = 8
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def score_topk(self, batch: TrainBatch, k: int, rows: torch.Tensor, micro_batch_size: int = 8,
+                   id_limit: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (ids [B, T, k] int64, log-probs [B, T, k] float32) of this policy's full-vocab
         distribution at the response positions of the sequences flagged in `rows` [B] (zeros
-        elsewhere), sorted by decreasing log-prob; vocab padding ids never appear. Only the selected
+        elsewhere), sorted by decreasing log-prob; vocab padding ids (and ids >= `id_limit`) never appear. Only the selected
         rows' [n, V/tp] logits are ever converted to fp32. Collective over the TP/PP group; on a
         non-last pipeline stage the result is all zeros (the loss lives on the last stage)."""
         from megatron_opd.models.logprobs import forward_backward
@@ -178,7 +178,7 @@ class MegatronPolicy:
                         z = self._rows(logits, mb).float()
                         if self.temperature != 1.0:
                             z = z / self.temperature
-                        tid, tlp = vocab_parallel_topk(z, k, self.vocab_size, self.tp_group)
+                        tid, tlp = vocab_parallel_topk(z, k, self.vocab_size, self.tp_group, id_limit)
                         rows_b = torch.as_tensor(sel)[b_idx.cpu()]
                         ids_out[rows_b, t_idx.cpu()] = tid.cpu()
                         lp_out[rows_b, t_idx.cpu()] = tlp.cpu()
