@@ -56,3 +56,33 @@ def test_megatron_teacher_tp2_matches_hf(tmp_path):
 def test_megatron_teacher_pp2_matches_hf(tmp_path):
     make_tiny_hf_model("llama", out_dir=tmp_path, seed=5)
     _check(run_distributed(_worker, 2, str(tmp_path), 1, 2, 2), tmp_path)
+
+
+# -- a teacher with its own layout beside a student laid out differently (issue 12) -------------------
+
+def _layout_worker(rank: int, world: int, path: str, student: tuple, teacher: tuple, mbs: int) -> list[dict]:
+    """megatron's global state is the student's layout; the teacher gets its own groups (make_layout)."""
+    from megatron.core import parallel_state
+
+    from megatron_opd.models.parallel import destroy_parallel, init_parallel, make_layout
+    from megatron_opd.teacher.megatron import MegatronTeacher
+
+    init_parallel(tp=student[0], pp=student[1], backend="gloo")
+    try:
+        layout = make_layout(*teacher)
+        t = MegatronTeacher.from_hf(path, micro_batch_size=mbs, layout=layout)
+        scores = t.score(PROMPTS, RESPONSES, top_k=TOP_K)
+        # the student's global groups are untouched
+        assert parallel_state.get_tensor_model_parallel_world_size() == student[0]
+        return [{"lp": s.logprobs.tolist(), "ids": s.topk_ids.tolist(), "tlp": s.topk_logprobs.tolist()}
+                for s in scores]
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("teacher", [(2, 1), (1, 2)], ids=["teacher-tp2", "teacher-pp2"])
+def test_teacher_with_its_own_layout_matches_hf(tmp_path, teacher):
+    """Student TP1 x DP2 (megatron's global groups); the teacher TP2 (or PP2) over the same two ranks:
+    log-probs and top-k equal the single-process HF teacher's (atol 1e-4, fp32)."""
+    make_tiny_hf_model("qwen3", out_dir=tmp_path, seed=6, vocab_size=200)
+    _check(run_distributed(_layout_worker, 2, str(tmp_path), (1, 1), teacher, 2), tmp_path)

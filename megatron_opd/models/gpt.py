@@ -87,11 +87,14 @@ def build_gpt_model(
     recompute_activations: bool | str = False,
     make_vocab_size_divisible_by: Optional[int] = None,
     config_overrides: Optional[dict[str, Any]] = None,
+    layout: Optional[Any] = None,
 ) -> Any:
     """This rank's GPTModel shard for ``hf_config`` (randomly initialised; load weights separately).
 
     ``tp``/``pp`` default to (and must match) the initialised parallel state; ``pre_process`` /
-    ``post_process`` default to whether this rank is the first / last pipeline stage.
+    ``post_process`` default to whether this rank is the first / last pipeline stage. With ``layout``
+    (`models.parallel.ModelLayout`, e.g. a teacher laid out differently from the student) the model uses
+    that layout's sizes and process groups instead of megatron's global ones.
     The model is on the current CUDA device on GPU, on CPU otherwise. Its vocabulary is padded
     (``model.vocab_size``); ``model.hf_vocab_size`` is the real one.
     """
@@ -101,8 +104,11 @@ def build_gpt_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron parallel state is not initialised: call "
                            "megatron_opd.models.parallel.init_parallel(tp, pp) first")
-    cur_tp = parallel_state.get_tensor_model_parallel_world_size()
-    cur_pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if layout is not None:
+        cur_tp, cur_pp = layout.tp, layout.pp
+    else:
+        cur_tp = parallel_state.get_tensor_model_parallel_world_size()
+        cur_pp = parallel_state.get_pipeline_model_parallel_world_size()
     tp = cur_tp if tp is None else tp
     pp = cur_pp if pp is None else pp
     if (tp, pp) != (cur_tp, cur_pp):
@@ -114,9 +120,12 @@ def build_gpt_model(
         recompute_activations=recompute_activations, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         overrides=config_overrides)
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        pre_process = layout.is_first_stage if layout is not None else parallel_state.is_pipeline_first_stage(
+            ignore_virtual=True)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        post_process = layout.is_last_stage if layout is not None else parallel_state.is_pipeline_last_stage(
+            ignore_virtual=True)
+    extra = {"pg_collection": layout.groups} if layout is not None else {}
     with _quiet_gptmodel_deprecation():
         model = GPTModel(
             config=config,
@@ -125,6 +134,7 @@ def build_gpt_model(
             post_process=post_process,
             parallel_output=True,
             **gpt_kwargs,
+            **extra,
         )
     # The real vocabulary: logits columns >= this index are padding (see logprobs.py).
     model.hf_vocab_size = int(hf_config["vocab_size"] if isinstance(hf_config, dict) else hf_config.vocab_size)

@@ -335,6 +335,7 @@ def forward_backward(
     *,
     forward_only: bool = False,
     prepare: Optional[Callable[[dict], None]] = None,
+    layout: Optional[Any] = None,
 ) -> list[dict]:
     """Run megatron's pipeline schedule (``get_forward_backward_func``) over ``microbatches``.
 
@@ -347,6 +348,7 @@ def forward_backward(
     positions: ``loss_fn`` then gets ``[1, N, V/tp]``.
     ``prepare(microbatch)``, if given, runs right before each microbatch's forward on this stage
     (the trainer computes that micro-batch's reference logits there, so only one is ever held).
+    ``layout`` (`models.parallel.ModelLayout`) runs a model built with its own process groups.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -375,7 +377,21 @@ def forward_backward(
         return out, loss_func
 
     max_s = max(mb["input_ids"].shape[1] for mb in microbatches)
-    return list(get_forward_backward_func()(
+    kwargs: dict[str, Any] = {}
+    if layout is None:
+        schedule = get_forward_backward_func()
+    else:
+        from megatron.core.pipeline_parallel import schedules
+
+        kwargs["pg_collection"] = layout.groups
+        if layout.pp == 1:
+            schedule = schedules.forward_backward_no_pipelining
+        else:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            schedule = schedules.forward_backward_pipelining_without_interleaving
+            kwargs["p2p_communicator"] = P2PCommunicator(pp_group=layout.groups.pp, config=_unwrap(model).config)
+    return list(schedule(
         forward_step_func=forward_step,
         data_iterator=iter(microbatches),
         model=model,
@@ -383,6 +399,7 @@ def forward_backward(
         seq_length=max_s,
         micro_batch_size=b,
         forward_only=forward_only,
+        **kwargs,
     ))
 
 

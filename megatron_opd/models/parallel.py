@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -119,6 +120,79 @@ def host_group(kind: Literal["world", "dp"]) -> Optional[dist.ProcessGroup]:
     return _HOST_GROUPS["world"]
 
 
+@dataclass
+class ModelLayout:
+    """A model's own TP x PP layout over the whole world, next to megatron's global one (the student's):
+    process groups for GPTModel(pg_collection=...) and the schedules, and this rank's coordinates. Ranks
+    are ordered as megatron orders them: TP fastest, then data-parallel replicas, then pipeline stages."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    groups: Any  # megatron.core.process_groups_config.ProcessGroupCollection
+    replica_group: Optional[dist.ProcessGroup]  # gloo, this rank's data-parallel peers (same tp/pp rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def layout_rank_grid(world: int, tp: int, pp: int) -> list[list[list[int]]]:
+    """grid[pp_rank][dp_rank][tp_rank] -> global rank, megatron's order (tp fastest, then dp, then pp)."""
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"layout tp={tp} x pp={pp} does not divide the world size {world}")
+    dp = world // (tp * pp)
+    return [[[p * dp * tp + d * tp + t for t in range(tp)] for d in range(dp)] for p in range(pp)]
+
+
+def make_layout(tp: int, pp: int) -> ModelLayout:
+    """Process groups for a model laid out TP x PP over every rank (collective: all ranks call it, in the
+    same order). Used for a teacher whose layout differs from the student's."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = layout_rank_grid(world, tp, pp)
+    dp = world // (tp * pp)
+    where = {grid[p][d][t]: (t, p, d) for p in range(pp) for d in range(dp) for t in range(tp)}
+    t_rank, p_rank, d_rank = where[rank]
+    mine: dict[str, Any] = {}
+
+    def group(kind: str, ranks: list[int], backend: Optional[str] = None) -> None:
+        g = dist.new_group(ranks, backend=backend)  # every rank creates every group
+        if rank in ranks:
+            mine[kind] = g
+
+    for p in range(pp):
+        for d in range(dp):
+            group("tp", grid[p][d])
+    for d in range(dp):
+        for t in range(tp):
+            stages = [grid[p][d][t] for p in range(pp)]
+            group("pp", stages)
+            group("embd", sorted({stages[0], stages[-1]}))
+            group("pos_embd", [stages[0]])
+    for p in range(pp):
+        for t in range(tp):
+            replicas = [grid[p][d][t] for d in range(dp)]
+            group("dp", replicas)
+            group("replica", replicas, backend="gloo")
+    for r in range(world):
+        group("cp", [r])
+    pgs = ProcessGroupCollection()
+    pgs.tp, pgs.pp, pgs.cp, pgs.dp = mine["tp"], mine["pp"], mine["cp"], mine["dp"]
+    pgs.dp_cp = mine["dp"]
+    pgs.embd = mine["embd"] if rank in (grid[0][d_rank][t_rank], grid[-1][d_rank][t_rank]) else None
+    pgs.pos_embd = mine["pos_embd"] if p_rank == 0 else None
+    return ModelLayout(tp, pp, dp, t_rank, p_rank, d_rank, pgs, mine["replica"] if dp > 1 else None)
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
     from megatron.core import parallel_state
@@ -151,5 +225,5 @@ def is_pipeline_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-__all__ = ["destroy_parallel", "host_group", "init_parallel", "is_pipeline_first_stage", "is_pipeline_last_stage",
+__all__ = ["ModelLayout", "destroy_parallel", "host_group", "init_parallel", "layout_rank_grid", "make_layout", "is_pipeline_first_stage", "is_pipeline_last_stage",
            "resolve_backend", "tp_group"]

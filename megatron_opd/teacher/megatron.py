@@ -66,11 +66,13 @@ def vocab_parallel_topk(logits: torch.Tensor, k: int, vocab_size: int, tp_group:
 
 
 class MegatronTeacher:
-    """Forward-only megatron teacher. Call `megatron_opd.models.parallel.init_parallel(tp, pp)` first
-    (the teacher's sizes); build with `from_hf`. `score` is collective over the model-parallel group."""
+    """Forward-only megatron teacher; build with `from_hf`. Its layout is megatron's global one (call
+    `megatron_opd.models.parallel.init_parallel(tp, pp)` with the teacher's sizes first) or, with
+    `layout=make_layout(tp, pp)`, its own over the same ranks as a student laid out differently.
+    `score` is collective over the teacher's model-parallel group: its ranks pass the same inputs."""
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, eos_token_ids: list[int], micro_batch_size: int = 8,
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, layout: Optional[Any] = None):
         if micro_batch_size < 1:
             raise ValueError(f"teacher.micro_batch_size: must be >= 1, got {micro_batch_size}")
         self.model = model
@@ -80,10 +82,12 @@ class MegatronTeacher:
         self.micro_batch_size = micro_batch_size
         self.pad_token_id = pad_token_id
         self.topk_id_limit: Optional[int] = None  # teacher/fidelity.py topk_id_limit: ids the student has
+        self.layout = layout
 
     @classmethod
     def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
-                params_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> "MegatronTeacher":
+                params_dtype: Optional[torch.dtype] = None, layout: Optional[Any] = None,
+                **kwargs: Any) -> "MegatronTeacher":
         from megatron.core import parallel_state
         from transformers import AutoConfig
 
@@ -94,17 +98,20 @@ class MegatronTeacher:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"MegatronTeacher: {p}/config.json not found (expected an HF model directory)")
         cfg = AutoConfig.from_pretrained(str(p))
-        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype)
-        sd = hf_to_megatron_state_dict(
-            load_hf_state_dict(p), cfg,
-            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-            te_names=resolve_layer_spec(layer_spec) == "te", vocab_padded=model.vocab_size)
+        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype, layout=layout)
+        if layout is not None:
+            tp_rank, tp_size, pp_rank, pp_size = layout.tp_rank, layout.tp, layout.pp_rank, layout.pp
+        else:
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        sd = hf_to_megatron_state_dict(load_hf_state_dict(p), cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                       pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
+                                       vocab_padded=model.vocab_size)
         load_megatron_state_dict(model, sd)
         kwargs.setdefault("eos_token_ids", eos_ids_from(p))
-        return cls(model, cfg, micro_batch_size=micro_batch_size, **kwargs)
+        return cls(model, cfg, micro_batch_size=micro_batch_size, layout=layout, **kwargs)
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], top_k: int = 0) -> list[TeacherScore]:
@@ -127,7 +134,8 @@ class MegatronTeacher:
         ids = ids.to(device)
         targets = torch.roll(ids, -1, dims=1)
         targets[:, -1] = 0
-        tp_group = default_tp_group()
+        lay = self.layout
+        tp_group = (lay.groups.tp if lay.tp > 1 else None) if lay is not None else default_tp_group()
         K = top_k
 
         def loss_fn(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
@@ -141,12 +149,12 @@ class MegatronTeacher:
             return lp.sum() * 0.0, rep
 
         micro = [{"input_ids": ids[s:s + mbs], "targets": targets[s:s + mbs]} for s in range(0, rows, mbs)]
-        reports = forward_backward(self.model, micro, loss_fn, forward_only=True)
+        reports = forward_backward(self.model, micro, loss_fn, forward_only=True, layout=lay)
 
         logp = torch.empty(rows, width, dtype=torch.float32, device=device)
         topk_ids = torch.empty(rows, width, K, dtype=torch.long, device=device) if K else None
         topk_lp = torch.empty(rows, width, K, dtype=torch.float32, device=device) if K else None
-        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        last = lay.is_last_stage if lay is not None else parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         if last:
             if len(reports) != len(micro):
                 raise RuntimeError(f"MegatronTeacher: {len(reports)} reports for {len(micro)} micro-batches")
@@ -154,9 +162,10 @@ class MegatronTeacher:
             if K:
                 topk_ids.copy_(torch.cat([r["topk_ids"] for r in reports]))
                 topk_lp.copy_(torch.cat([r["topk_lp"] for r in reports]))
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            src = parallel_state.get_pipeline_model_parallel_last_rank()
-            group = parallel_state.get_pipeline_model_parallel_group()
+        pp_size = lay.pp if lay is not None else parallel_state.get_pipeline_model_parallel_world_size()
+        if pp_size > 1:
+            group = lay.groups.pp if lay is not None else parallel_state.get_pipeline_model_parallel_group()
+            src = dist.get_global_rank(group, pp_size - 1)
             for t in (logp, topk_ids, topk_lp):
                 if t is not None:
                     dist.broadcast(t, src=src, group=group)

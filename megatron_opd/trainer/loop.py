@@ -128,6 +128,7 @@ class Trainer:
         del student_sd
         self.teacher_policy: Optional[MegatronPolicy] = None
         self.teacher = None
+        self.layout_teacher: Any = None  # a megatron teacher with its own TP/PP (teacher/megatron.py)
         self._build_teacher()
 
         self.prompts = load_prompts(cfg.data.train_path, cfg.data, self.tokenizer,
@@ -228,9 +229,8 @@ class Trainer:
             p = self.cfg.parallel
             if (t.tensor_model_parallel_size, t.pipeline_model_parallel_size) != (
                     p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
-                raise ValueError("teacher.tensor_model_parallel_size/pipeline_model_parallel_size: an in-process "
-                                 "megatron teacher shares the student's layout; serve a differently laid out "
-                                 "teacher with teacher.backend=sglang")
+                self._build_layout_teacher()
+                return
             self.teacher_policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path), load_hf_state_dict(t.hf_path),
                                                  self.cfg, trainable=False, params_dtype=t.params_dtype,
                                                  temperature=1.0)  # the teacher's own distribution
@@ -251,6 +251,53 @@ class Trainer:
                 self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
                                              micro_batch_size=t.micro_batch_size, retries=t.retries,
                                              api_key=api_key_from_env(t.api_key_env), vocab_size=vocab)
+
+    def _build_layout_teacher(self) -> None:
+        """An in-process megatron teacher laid out teacher.tensor_model_parallel_size x
+        pipeline_model_parallel_size over the same ranks as the student, through its own process groups.
+        It scores the step's sequences after they are broadcast (`_score_with_layout_teacher`)."""
+        from megatron_opd.models.parallel import make_layout
+        from megatron_opd.teacher.megatron import MegatronTeacher
+
+        t = self.cfg.teacher
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        size = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
+        if world % size:
+            raise ValueError(f"teacher.tensor_model_parallel_size x pipeline_model_parallel_size = {size} does not "
+                             f"divide the {world} ranks the teacher shares with the student")
+        self.layout_teacher = MegatronTeacher.from_hf(
+            t.hf_path, micro_batch_size=t.micro_batch_size, layer_spec=self.cfg.model.layer_spec,
+            params_dtype=resolve_dtype(t.params_dtype), pad_token_id=self.pad_id,
+            layout=make_layout(t.tensor_model_parallel_size, t.pipeline_model_parallel_size))
+        self.layout_teacher.topk_id_limit = self._topk_id_limit(self.layout_teacher.vocab_size)
+
+    def _score_with_layout_teacher(self, items: list[SequenceItem]) -> dict[Any, Any]:
+        """Teacher scores of every sequence of the step, on every rank: each teacher replica (a TP x PP
+        group) scores a contiguous share, the shares are gathered over the replicas."""
+        teacher, algo = self.layout_teacher, self.cfg.algo
+        lay = teacher.layout
+        roll = [i for i, it in enumerate(items) if not it.is_golden]
+        gold = [i for i, it in enumerate(items) if it.is_golden] if (
+            algo.golden_loss == "fkl_topk" and algo.lambda_gold > 0) else []
+
+        def share(idx: list[int]) -> list[int]:
+            bounds = [round(r * len(idx) / lay.dp) for r in range(lay.dp + 1)]
+            return idx[bounds[lay.dp_rank]:bounds[lay.dp_rank + 1]]
+
+        mine_roll, mine_gold = share(roll), share(gold)
+        rs = teacher.score([items[i].prompt_ids for i in mine_roll], [items[i].response_ids for i in mine_roll])
+        gs = teacher.score([items[i].prompt_ids for i in mine_gold], [items[i].response_ids for i in mine_gold],
+                           top_k=self.cfg.teacher.top_k) if gold else []
+        part = {"logp": {i: s.logprobs.tolist() for i, s in zip(mine_roll, rs)},
+                "topk": {i: (s.topk_ids, s.topk_logprobs) for i, s in zip(mine_gold, gs)}}
+        parts = [part]
+        if lay.replica_group is not None:
+            parts = [None] * lay.dp
+            dist.all_gather_object(parts, part, group=lay.replica_group)
+        out: dict[Any, Any] = {i: lp for p in parts for i, lp in p["logp"].items()}
+        if gold:
+            out["topk"] = {i: v for p in parts for i, v in p["topk"].items()}
+        return out
 
     def _launch_teacher_server(self) -> Any:
         """teacher.backend=sglang without teacher.server_url: serve teacher.hf_path on a free loopback port,
@@ -503,6 +550,8 @@ class Trainer:
         self._release_engine()
         t_rollout = time.time() - t0
         t_score0 = time.time()
+        if self.layout_teacher is not None:
+            payload["teacher"] = self._score_with_layout_teacher(payload["items"])
         items = payload["items"]
         per_rank = len(items) // self.dp_size
         rows = list(range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))

@@ -1,0 +1,67 @@
+"""A trainer whose in-process megatron teacher has its own layout (issue 12): student TP1 x DP2 with the
+teacher TP2 over the same two ranks trains like the same teacher at the student's layout.
+
+Two gloo processes, tiny random models, stable_opd with the forward-KL golden loss so the teacher's top-k
+crosses the layouts too (3 prompts x 2 samples + 2 golden = 8 sequences, even over DP=2). The two runs differ only in the teacher's summation order (TP2 splits its vocab
+and attention heads), so their losses agree to rel 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from _dist import run_distributed
+from _tiny import tiny_setup, train_to_end
+from megatron_opd.trainer.logger import read_metrics
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_setup(tmp_path_factory.mktemp("layout"), n_train=8, n_eval=2)
+
+
+def _overrides(setup, out, teacher_tp: int) -> list[str]:
+    _root, student, teacher, data = setup
+    return [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
+            f"teacher.tensor_model_parallel_size={teacher_tp}", "teacher.top_k=4", "algo.golden_loss=fkl_topk",
+            "algo.preset=stable_opd", f"data.train_path={data['train']}", "train.steps=2",
+            "train.prompts_per_step=3", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
+            "optim.lr=1e-3", f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
+            "checkpoint.save_every=100", "parallel.backend=gloo"]
+
+
+def test_teacher_tp2_beside_student_dp2_matches_the_shared_layout(setup, tmp_path):
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"teacher_tp{tp}"
+        assert run_distributed(train_to_end, 2, _overrides(setup, out, tp)) == [2, 2]
+        runs[tp] = read_metrics(out)
+    for same, own in zip(runs[1], runs[2]):
+        assert own["rollout/num_golden"] >= 1 and own["loss/update_skipped"] == 0.0
+        assert math.isfinite(own["loss/golden_loss"]) and own["loss/golden_loss"] > 0
+        keys = [k for k in same if k.startswith(("loss/", "adv", "rollout/teacher", "rollout/adv")) and k in own
+                and isinstance(same[k], float)]
+        assert "loss/pg_loss" in keys and "loss/golden_loss" in keys
+        for k in keys:
+            assert own[k] == pytest.approx(same[k], rel=1e-4, abs=1e-6), (same["step"], k)
+
+
+def test_teacher_layout_must_divide_the_world(setup, tmp_path):
+    res = run_distributed(_expect_error, 2, _overrides(setup, tmp_path / "bad", 1) + [
+        "teacher.pipeline_model_parallel_size=3"])
+    assert all("does not divide the 2 ranks" in r for r in res)
+
+
+def _expect_error(rank: int, world: int, overrides: list[str]) -> str:
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.loop import Trainer
+
+    try:
+        Trainer(load_config(None, overrides)).close()
+    except ValueError as e:
+        return str(e)
+    return "no error"
