@@ -24,23 +24,45 @@ def setup(tmp_path_factory):
     return tiny_setup(tmp_path_factory.mktemp("layout"), n_train=8, n_eval=2)
 
 
-def _overrides(setup, out, teacher_tp: int) -> list[str]:
-    _root, student, teacher, data = setup
+def _four_layer_teacher(root) -> str:
+    """The shared tiny teacher has 3 layers; PP2 needs an even count."""
+    import json
+
+    from megatron_opd.data.toy_tokenizer import byte_tokenizer
+    from megatron_opd.models.tiny import make_tiny_hf_model
+
+    d = root / "teacher4"
+    if not d.exists():
+        tok = byte_tokenizer()
+        make_tiny_hf_model("qwen2", d, seed=7, vocab_size=len(tok), num_hidden_layers=4, eos_token_id=2,
+                           pad_token_id=0, bos_token_id=1, max_position_embeddings=2048)
+        tok.save_pretrained(str(d))
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return str(d)
+
+
+def _overrides(setup, out, teacher_tp: int, teacher_pp: int = 1, teacher=None) -> list[str]:
+    _root, student, shared_teacher, data = setup
+    teacher = teacher or shared_teacher
     return [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
-            f"teacher.tensor_model_parallel_size={teacher_tp}", "teacher.top_k=4", "algo.golden_loss=fkl_topk",
+            f"teacher.tensor_model_parallel_size={teacher_tp}", f"teacher.pipeline_model_parallel_size={teacher_pp}",
+            "teacher.top_k=4", "algo.golden_loss=fkl_topk",
             "algo.preset=stable_opd", f"data.train_path={data['train']}", "train.steps=2",
             "train.prompts_per_step=3", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8",
             "optim.lr=1e-3", f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
             "checkpoint.save_every=100", "parallel.backend=gloo"]
 
 
-def test_teacher_tp2_beside_student_dp2_matches_the_shared_layout(setup, tmp_path):
+@pytest.mark.parametrize("layout", [(2, 1), pytest.param((1, 2), marks=pytest.mark.slow)],
+                         ids=["teacher-tp2", "teacher-pp2"])
+def test_teacher_with_own_layout_beside_student_dp2_matches_the_shared_layout(setup, tmp_path, layout):
     runs = {}
-    for tp in (1, 2):
-        out = tmp_path / f"teacher_tp{tp}"
-        assert run_distributed(train_to_end, 2, _overrides(setup, out, tp)) == [2, 2]
-        runs[tp] = read_metrics(out)
-    for same, own in zip(runs[1], runs[2]):
+    teacher = _four_layer_teacher(setup[0]) if layout[1] > 1 else None
+    for name, (tp, pp) in (("same", (1, 1)), ("own", layout)):
+        out = tmp_path / name
+        assert run_distributed(train_to_end, 2, _overrides(setup, out, tp, pp, teacher)) == [2, 2]
+        runs[name] = read_metrics(out)
+    for same, own in zip(runs["same"], runs["own"]):
         assert own["rollout/num_golden"] >= 1 and own["loss/update_skipped"] == 0.0
         assert math.isfinite(own["loss/golden_loss"]) and own["loss/golden_loss"] > 0
         keys = [k for k in same if k.startswith(("loss/", "adv", "rollout/teacher", "rollout/adv")) and k in own
