@@ -59,6 +59,8 @@ class ParallelConfig:
 class TeacherConfig:
     hf_path: Optional[str] = None
     backend: Literal["megatron", "sglang", "hf"] = "megatron"
+    # backend=megatron: equal to the student's parallel sizes, the teacher shares megatron's groups; different
+    # (their product dividing the world), it gets its own layout over the same ranks (docs/design.md)
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
