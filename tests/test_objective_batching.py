@@ -362,3 +362,24 @@ def test_trainer_golden_samples_spread_end_with_stop_id_and_mark_truncation():
     gold = {it.prompt_index: it for it in payload["items"] if it.is_golden}
     assert gold[0].response_ids == [30, 30, 7] and not gold[0].truncated
     assert gold[2].response_ids == [32, 32, 32] and gold[2].truncated  # cut by max_new_tokens: truncated
+
+
+def test_micro_batches_are_balanced_and_trimmed_per_micro_batch():
+    """10 rows at micro_batch_size 8 train as 5 + 5 (not 8 + 2 padded to 8 + 8), each micro-batch only as
+    long as its own longest row under PP=1; under PP>1 one length for all."""
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    items = [SequenceItem([1, 2], [3] * (2 if i < 5 else 9)) for i in range(10)]
+    batch = build_batch(items, 0)
+    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8),
+                                               parallel=SimpleNamespace(pipeline_model_parallel_size=1)),
+                           student=SimpleNamespace(seq_multiple=1))
+    parts = Trainer._micro_batches(fake, batch, list(range(10)))
+    assert [p.batch_size for p in parts] == [5, 5]
+    assert [p.tokens.shape[1] for p in parts] == [4, 11]
+    assert [p.source_rows.tolist() for p in parts] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    fake.cfg.parallel.pipeline_model_parallel_size, fake.cfg.train.micro_batch_size = 2, 4
+    parts = Trainer._micro_batches(fake, batch, list(range(7)))  # 7 rows at 4: 4 + 3, the second padded to 4
+    assert [p.batch_size for p in parts] == [4, 4] and int(parts[1].response_mask[3].sum()) == 0
+    assert {p.tokens.shape[1] for p in parts} == {11}
