@@ -68,6 +68,9 @@ class TeacherConfig:
     micro_batch_size: int = 8
     # an in-process megatron teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # an in-process megatron teacher's weights wait in host memory between scoring phases (colocated GPUs:
+    # frees 2·P/(TP·PP) bytes per GPU for training and rollout, for one host<->device copy per step)
+    offload: bool = False
     api_key_env: str = "SGLANG_API_KEY"  # env var holding the SGLang server's --api-key ("" / unset: none)
     retries: int = 4  # SGLang teacher by URL: retries (exponential backoff) on connection errors / HTTP 5xx
     # Extra SGLang ServerArgs for a teacher server the trainer launches (no teacher.server_url), e.g.
@@ -464,6 +467,8 @@ def validate(cfg: Config) -> None:
         logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
     need(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0: auto), got {r.num_threads}")
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
+    need(not (cfg.teacher.offload and cfg.teacher.backend != "megatron"), "teacher.offload",
+         f"parks an in-process megatron teacher's weights; teacher.backend={cfg.teacher.backend} holds none here")
     need(r.max_engine_logp_absdiff > 0, "rollout.max_engine_logp_absdiff",
          f"must be > 0, got {r.max_engine_logp_absdiff}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")

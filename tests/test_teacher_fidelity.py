@@ -187,3 +187,46 @@ def test_engine_parity_at_step_one(setup, tmp_path, caplog):
             trainer.train_step()
     finally:
         trainer.close()
+
+
+def test_teacher_offload_parks_weights_between_steps_and_changes_nothing(setup, tmp_path):
+    """teacher.offload: the in-process teacher's parameters are empty between scoring phases and the
+    training numbers equal a run without it."""
+    from megatron_opd.trainer.logger import read_metrics
+    from megatron_opd.trainer.loop import Trainer
+
+    _, student, teacher, _ = setup
+    rows = {}
+    for off in (False, True):
+        over = _overrides(setup, student, teacher, tmp_path / str(off), "teacher.backend=megatron",
+                          f"teacher.offload={str(off).lower()}", "train.steps=2", "algo.preset=opd_kl")
+        trainer = Trainer(load_config(None, over))
+        try:
+            params = list(trainer.teacher_policy.model.parameters())
+            assert all(p.numel() == 0 for p in params) is off  # parked from the start
+            trainer.train()
+            assert all(p.numel() == 0 for p in params) is off  # and again after every step
+        finally:
+            trainer.close()
+        rows[off] = read_metrics(tmp_path / str(off))
+    for a, b in zip(rows[False], rows[True]):
+        for k in ("loss/pg_loss", "loss/kl", "adv/mean", "logp/teacher_mean"):
+            assert a[k] == b[k], k
+    with pytest.raises(Exception, match="teacher.offload"):
+        load_config(None, ["teacher.offload=true", "teacher.backend=hf"])
+
+
+def test_weight_offloader_round_trip_is_bit_identical():
+    from megatron_opd.models.offload import WeightOffloader
+    from megatron_opd.models.tiny import make_tiny_hf_model
+
+    model = make_tiny_hf_model("qwen2", seed=2, tie_word_embeddings=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    off = WeightOffloader(model)
+    off.offload()
+    off.offload()  # idempotent
+    assert off.offloaded and model.model.embed_tokens.weight.numel() == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied weights stay tied
+    off.restore()
+    assert not off.offloaded
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

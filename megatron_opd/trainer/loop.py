@@ -7,12 +7,14 @@ periodic eval -> checkpoint.
 
 Rank roles: global rank 0 is the controller: it samples prompts, drives the rollout engine and an
 external (HF / SGLang) teacher, and broadcasts the step's sequences; every rank then scores and
-trains its data-parallel slice with megatron. A megatron teacher runs in-process on the student's
-TP/PP layout (a teacher with another layout is served by SGLang).
+trains its data-parallel slice with megatron. A megatron teacher runs in-process, on the student's
+TP/PP layout or on its own over the same ranks (then it scores the step's broadcast sequences, shared
+over its replicas), or is served by SGLang (docs/design.md, "Teacher placement").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -20,7 +22,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -130,6 +132,14 @@ class Trainer:
         self.teacher = None
         self.layout_teacher: Any = None  # a megatron teacher with its own TP/PP (teacher/megatron.py)
         self._build_teacher()
+        self._teacher_offloader = None
+        frozen_teacher = self.layout_teacher.model if self.layout_teacher is not None else (
+            self.teacher_policy.model if self.teacher_policy is not None else None)
+        if cfg.teacher.offload and frozen_teacher is not None:
+            from megatron_opd.models.offload import WeightOffloader
+
+            self._teacher_offloader = WeightOffloader(frozen_teacher)
+            self._teacher_offloader.offload()
 
         self.prompts = load_prompts(cfg.data.train_path, cfg.data, self.tokenizer,
                                     require_solution=cfg.algo.mixture_ratio > 0)
@@ -251,6 +261,19 @@ class Trainer:
                 self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
                                              micro_batch_size=t.micro_batch_size, retries=t.retries,
                                              api_key=api_key_from_env(t.api_key_env), vocab_size=vocab)
+
+    @contextlib.contextmanager
+    def _teacher_weights(self) -> Iterator[None]:
+        """The in-process teacher's weights on their device for a scoring phase, parked in host memory
+        after it when teacher.offload is set (models/offload.py)."""
+        off = self._teacher_offloader
+        if off is not None:
+            off.restore()
+        try:
+            yield
+        finally:
+            if off is not None:
+                off.offload()
 
     def _build_layout_teacher(self) -> None:
         """An in-process megatron teacher laid out teacher.tensor_model_parallel_size x
@@ -557,7 +580,8 @@ class Trainer:
         t_rollout = time.time() - t0
         t_score0 = time.time()
         if self.layout_teacher is not None:
-            payload["teacher"] = self._score_with_layout_teacher(payload["items"])
+            with self._teacher_weights():
+                payload["teacher"] = self._score_with_layout_teacher(payload["items"])
         items = payload["items"]
         per_rank = len(items) // self.dp_size
         rows = list(range(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))
@@ -572,8 +596,9 @@ class Trainer:
                          for k, on in (("old_logp", reuse), ("ref_logp", full_kl and self.ref is not None)) if on}
         old_logp = None if reuse else self.student.score(batch, micro_batch_size=mbs)[0]
         if self.teacher_policy is not None:
-            batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
-            self._attach_teacher_topk(batch)
+            with self._teacher_weights():
+                batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
+                self._attach_teacher_topk(batch)
         if self.ref is not None and not full_kl:  # full KL: ref log-probs come with its per-micro-batch logits
             ref_logp, _ = self.ref.score(batch, micro_batch_size=mbs)
             if ref_logp is not None:
