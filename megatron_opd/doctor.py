@@ -41,17 +41,30 @@ def main(argv: list[str]) -> int:
                    help="check a student/teacher pair of HF directories (tokenizers, special tokens, chat template, "
                         "EOS ids, golden end token, vocab padding); exit 1 if they disagree")
     p.add_argument("--no-chat-template", action="store_true", help="the run feeds raw prompts (no chat template)")
+    p.add_argument("--teacher-url", default=None,
+                   help="with --pair: also score a probe with this SGLang teacher server and with TEACHER in-process "
+                        "(HF, on this machine) and compare the log-probs")
+    p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="env var holding the server's API key")
+    p.add_argument("--max-logp-absdiff", type=float, default=0.1,
+                   help="--teacher-url: the largest mean |log-prob difference| accepted")
     args = p.parse_args(argv)
     if args.pair is None:
         for k, v in report().items():
             print(f"{k:22s} {v}")
         return 0
-    from megatron_opd.teacher.fidelity import check_pair
+    from transformers import AutoTokenizer
+
+    from megatron_opd.rollout.server import api_key_from_env
+    from megatron_opd.teacher.fidelity import check_pair, compare_teacher_server
 
     student, teacher = args.pair
     try:
         pair = check_pair(student, teacher, chat_template=not args.no_chat_template)
-    except (OSError, ValueError) as e:
+        if args.teacher_url:
+            pair.findings += compare_teacher_server(
+                teacher, args.teacher_url, AutoTokenizer.from_pretrained(student), api_key_from_env(args.api_key_env),
+                args.max_logp_absdiff, chat_template=not args.no_chat_template)
+    except (OSError, ValueError, RuntimeError) as e:
         print(f"megatron-opd doctor: --pair: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"student {student}\nteacher {teacher}\n{pair.render()}")

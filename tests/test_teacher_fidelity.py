@@ -230,3 +230,48 @@ def test_weight_offloader_round_trip_is_bit_identical():
     off.restore()
     assert not off.offloaded
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _fake_teacher_server(tmp_path, model_dir, seqs):
+    """The stdlib prefill stand-in of tests/test_teacher_sglang.py (NOT SGLang), answering from `model_dir`'s
+    log-probs for `seqs`."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from _dist import free_port
+    from megatron_opd.rollout.server import ServerProcess
+    from test_teacher_sglang import FAKE_SGLANG
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    table = {}
+    for s in seqs:
+        with torch.no_grad():
+            table[json.dumps(s)] = torch.log_softmax(model(torch.tensor([s])).logits[0].float(), -1)[:-1].tolist()
+    (tmp_path / "table.json").write_text(json.dumps(table))
+    (tmp_path / "fake_sglang.py").write_text(FAKE_SGLANG)
+    port = free_port()
+    return ServerProcess([sys.executable, tmp_path / "fake_sglang.py", port, tmp_path / "table.json", "ok"],
+                         port=port, startup_timeout=60, log_path=tmp_path / "fake.log")
+
+
+def test_doctor_compares_a_teacher_server_with_the_in_process_teacher(setup, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from megatron_opd.teacher.fidelity import probe_ids
+
+    _, student, teacher, _ = setup
+    prompt, response = probe_ids(AutoTokenizer.from_pretrained(str(student)))
+    assert len(prompt) > 10 and len(response) > 10
+    with _fake_teacher_server(tmp_path, teacher, [prompt + response]) as srv:
+        assert doctor_main(["--pair", str(student), str(teacher), "--teacher-url", srv.url]) == 0
+    out = capsys.readouterr().out
+    assert f"[ok   ] teacher_server: server {srv.url} vs in-process teacher on {len(response)} probe tokens" in out
+    drifted = tmp_path / "drift"
+    drifted.mkdir()
+    with _fake_teacher_server(drifted, student, [prompt + response]) as srv:  # serves another checkpoint
+        assert doctor_main(["--pair", str(student), str(teacher), "--teacher-url", srv.url]) == 1
+    line = next(x for x in capsys.readouterr().out.splitlines() if "teacher_server" in x)
+    assert "[error] teacher_server" in line and "mean |diff|" in line
+    assert doctor_main(["--pair", str(student), str(teacher), "--teacher-url", "http://127.0.0.1:9"]) == 2
+    assert "megatron-opd doctor: --pair:" in capsys.readouterr().err

@@ -11,7 +11,8 @@ never trained, so their mass is negligible for trained checkpoints), and teacher
 restricted to the ids both models and the tokenizer have (`topk_id_limit`).
 
 `check_pair` reads tokenizers and configs only (seconds, no weights); `megatron-opd doctor --pair` prints
-it and the trainer runs it at start (``teacher.preflight``).
+it and the trainer runs it at start (``teacher.preflight``). With a teacher server, `doctor --pair ...
+--teacher-url URL` also compares the served teacher's log-probs with the in-process one on a probe.
 """
 
 from __future__ import annotations
@@ -174,6 +175,33 @@ def compare_vocab(student_vocab: int, teacher_vocab: int, n_tokens: int) -> list
     return out
 
 
+def probe_ids(tokenizer: Any, chat_template: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of the probe conversation, as the trainer would tokenize them."""
+    from megatron_opd.data.prompts import encode, has_chat_template, tokenize_prompt
+
+    _, prompt = tokenize_prompt(PROBE_MESSAGES[0]["content"], tokenizer, chat_template and has_chat_template(tokenizer))
+    return prompt, encode(tokenizer, PROBE_REPLY, add_special_tokens=False)
+
+
+def compare_teacher_server(teacher: Union[str, Path], url: str, tokenizer: Any, api_key: Optional[str] = None,
+                           max_absdiff: float = 0.1, chat_template: bool = True) -> list[Finding]:
+    """The served teacher's log-probs against the in-process reference (HF, which the megatron teacher
+    matches to 1e-4 in the tests) on the probe tokens: engine version, dtype or checkpoint drift."""
+    from megatron_opd.rollout.base import eos_ids_from
+    from megatron_opd.teacher.hf import HFTeacher
+    from megatron_opd.teacher.sglang import SGLangTeacher
+
+    prompt, response = probe_ids(tokenizer, chat_template)
+    local = HFTeacher.from_pretrained(teacher).score([prompt], [response])[0].logprobs
+    served = SGLangTeacher(url, eos_token_ids=eos_ids_from(teacher), api_key=api_key, retries=1).score(
+        [prompt], [response])[0].logprobs
+    diff = (local.double() - served.double()).abs()
+    mean, worst = float(diff.mean()), float(diff.max())
+    msg = (f"server {url} vs in-process teacher on {len(response)} probe tokens: mean |diff| {mean:.3g}, "
+           f"max {worst:.3g} (threshold {max_absdiff})")
+    return [Finding("teacher_server", "ok" if mean <= max_absdiff else "error", msg)]
+
+
 def check_pair(student: Union[str, Path], teacher: Union[str, Path], engine_eos: Optional[list[int]] = None,
                chat_template: bool = True) -> PairReport:
     """All the tokenizer/config checks for two HF model directories (tokenizer + config files only)."""
@@ -194,4 +222,5 @@ def check_pair(student: Union[str, Path], teacher: Union[str, Path], engine_eos:
 
 
 __all__ = ["Finding", "PairMismatchError", "PairReport", "check_pair", "compare_chat_templates", "compare_stops",
+           "compare_teacher_server", "probe_ids",
            "compare_tokenizers", "compare_vocab", "topk_id_limit"]
