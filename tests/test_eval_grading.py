@@ -216,3 +216,69 @@ def test_extraction_ignores_references_signatures_and_units(text, answer, method
 def test_answer_with_unit_grades_correct_end_to_end():
     assert grade_response("Converting, the answer is 1.6 arcsec.", "1.6").correct
     assert not grade_response("x = 3 (by Lemma 2)", "2").correct
+
+
+# Review findings (each a wrong grade before the fix): set-membership golds, conjunctions read as units,
+# exponents/subscripts/fractions in the last-number fallback, "the answer is" running past the answer,
+# percent golds, degree signs.
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("[-2,7]", "x \\in [-2,7]", True),
+    ("x\\in[-2,7]", "[-2, 7]", True),
+    ("(-2,7]", "x \\in [-2,7]", False),   # bracket flipped
+    ("[-2,8]", "x \\in [-2,7]", False),
+    ("(-\\infty, 3)", "x \\in (-\\infty, 3)", True),  # \infty is not \in
+])
+def test_set_membership_gold_is_the_set(pred, gold, ok):
+    assert answers_equivalent(pred, gold) is ok
+
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("5 or 6", "5", False),
+    ("5 and 6", "5", False),
+    ("5 to 6", "5", False),
+    ("5 times", "5", False),
+    ("2 and 3", "2, 3", True),
+    ("1, 2, and 3", "1,2,3", True),
+    ("2, 3", "2 and 3", True),
+    ("2 and 4", "2, 3", False),
+    ("118,000 dollars", "118000", True),
+    ("5 meters", "5", True),
+])
+def test_conjunctions_are_not_units(pred, gold, ok):
+    assert answers_equivalent(pred, gold) is ok
+
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("4.2\\%", "4.2", True),
+    ("4.2", "4.2\\%", True),
+    ("0.042", "4.2\\%", True),     # math-verify's reading of a percent stays accepted
+    ("4.2\\%", "4.2\\%", True),
+    ("5.2\\%", "4.2\\%", False),
+    ("5.2\\%", "4.2", False),
+    ("30°", "30^\\circ", True),
+    ("30", "30^{\\circ}", True),
+    ("31°", "30", False),
+])
+def test_percent_and_degree_signs(pred, gold, ok):
+    assert answers_equivalent(pred, gold) is ok
+
+
+@pytest.mark.parametrize("text, answer, method", [
+    ("we get x = \\frac{1}{2}", "\\frac{1}{2}", "last_number"),   # not the denominator
+    ("so y = -\\dfrac{3}{4}", "-\\dfrac{3}{4}", "last_number"),
+    ("it is 3, and 2^{10} is big", "3", "last_number"),            # not an exponent
+    ("x_1 = 4 and then x_2", "4", "last_number"),                   # not a subscript
+    ("x = 10^{5}", None, "none"),                                   # no plain number reads as the answer
+    ("the rope is 2.5m long", "2.5", "last_number"),                # unit glued to the number
+    ("the 2nd one", None, "none"),
+    ("the answer is 5, which is prime", "5", "answer_is"),
+    ("The final answer is 12 since it works", "12", "answer_is"),
+    ("The answer is **7** apples.", "7", "answer_is"),
+    ("**Answer:** 3", "3", "answer_is"),
+    ("the answer is 118,000 dollars.", "118000", "answer_is"),
+    ("the answer is (1, 2).", "(1, 2)", "answer_is"),               # a comma inside the answer stays
+])
+def test_extraction_review_cases(text, answer, method):
+    ext = extract_answer(text)
+    assert (ext.answer, ext.method) == (answer, method)

@@ -88,3 +88,35 @@ def _expect_error(rank: int, world: int, overrides: list[str]) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def _score_fails_on_replica_1(rank: int, world: int, overrides: list[str]) -> str:
+    """One teacher replica raises while scoring (stand-in for an OOM or a bad sequence on that rank)."""
+    from megatron_opd.config import load_config
+    from megatron_opd.teacher.megatron import MegatronTeacher
+    from megatron_opd.trainer.loop import Trainer
+
+    real = MegatronTeacher.score
+
+    def score(self, *a, **kw):
+        if self.layout.dp_rank == 1:
+            raise MemoryError("stand-in for an out-of-memory teacher forward")
+        return real(self, *a, **kw)
+
+    MegatronTeacher.score = score
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.train()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        trainer.close()
+    return "no error"
+
+
+def test_a_failing_teacher_replica_fails_every_rank_instead_of_hanging(setup, tmp_path):
+    """Student TP2 (one data-parallel replica), teacher TP1: two teacher replicas gather their shares. When
+    one raises, the other must not wait forever in the gather: both ranks raise, naming the replica."""
+    res = run_distributed(_score_fails_on_replica_1, 2, _overrides(setup, tmp_path / "fail", 1) + [
+        "parallel.tensor_model_parallel_size=2", "train.steps=1"])
+    assert all("teacher replica 1 (rank 1): MemoryError" in r for r in res), res

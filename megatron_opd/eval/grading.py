@@ -21,7 +21,10 @@ because math-verify alone accepts wrong answers of classes that matter on the pa
   rounds to 6 decimal places, so ``\\frac{2}{2004!}`` "equals" ``\\frac{1}{2004!}`` there. A per-problem
   absolute tolerance (OlympiadBench's ``error`` field) widens this for that problem only.
 * **Units and formatting.** A trailing unit word (``1.6 arcsec``, ``5 cm``), math delimiters (``$``),
-  thousands separators (``118{,}000``, ``118\\,000``) and ``\\dfrac`` are normalised away.
+  thousands separators (``118{,}000``, ``118\\,000``) and ``\\dfrac`` are normalised away; a word that is a
+  conjunction is not a unit (``5 or 6`` is not ``5``; ``2 and 3`` is the list ``2, 3``).
+* **Sets, percents, degrees.** ``x \\in [-2,7]`` is the set ``[-2,7]``; a trailing ``\\%`` may be dropped
+  (``4.2\\%`` matches ``4.2`` as well as math-verify's ``0.042``); ``30^\\circ``, ``30°`` and ``30`` match.
 
 A grader crash or timeout counts as incorrect but is reported with its own status, so a broken grader
 cannot hide inside a low accuracy.
@@ -40,22 +43,32 @@ ExtractMethod = Literal["boxed", "hashes", "answer_is", "last_number", "none"]
 REL_TOL = 1e-6
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\b")
-_ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+?)(?=\.\s|\.?\s*$|\n)",
-                           re.IGNORECASE | re.MULTILINE)
+_ANSWER_IS_RE = re.compile(
+    r"(?:final answer|the answer|^\s*(?:\*\*)?answer)\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*(.+?)"
+    r"(?=\.\s|\.?\s*$|\n|,\s+(?=[A-Za-z])|;\s|\s+(?:since|because|which|as|so|and so|where|when|for)\b)",
+    re.IGNORECASE | re.MULTILINE)
 _SEP = r"(?:,|\{,\}|\\,|\\ |\u2009|\u202f|\u00a0)"  # thousands separators
 _CURRENCY_SPACE_NUM = re.compile(r"(?:\\?\$|€|£)\s*(\d{1,3}(?: \d{3})+(?:\.\d+)?)(?![\d\w])")
+_UNIT_SUFFIX = r"(?:cm|mm|km|m|kg|g|mg|s|ms|h|min|ml|L|K|J|N|W|V|Hz)"
 _LAST_NUMBER_RE = re.compile(
-    r"(?<![\w.\\])(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(?![\w])")
+    r"(-?\\[dt]?frac\{-?\d+\}\{\d+\})"  # \frac{1}{2} is one number, not a 1 and a 2
+    r"|(?<![\w.\\^_])(?<!\^\{)(?<!_\{)"  # not glued to a word, an exponent or a subscript
+    r"(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+)(?:" + _UNIT_SUFFIX + r")?(?![\w^])")
 _REFERENCE_WORDS = re.compile(r"(?:lemma|theorem|step|equation|eq\.|fig\.|figure|section|case|claim|part|"
                               r"exercise|chapter|problem|line|page|rule|condition|property)\s*$", re.IGNORECASE)
 _PAREN_REMARK = re.compile(r"\((?=[^()]*[A-Za-z])[^()]*\)")
 _E_NOTATION = re.compile(r"^(-?\d+(?:\.\d+)?)\s*[eE]\s*([+-]?\d+)$")
+_NOT_UNITS = (r"(?:or|and|to|of|in|times|out|plus|minus|over|per|but|by|with|for|is|are|if|when|where|than|"
+              r"from|at|on|as|not|or|nor|then|so|the|a|an|x|y|z|n|k)\b")
 _NUMBER_THEN_UNIT = re.compile(
-    r"^(-?\d+(?:\.\d+)?(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?)\s*"
-    r"(?:[A-Za-z][A-Za-z]+|[mgsKJNWVAL])(?:[\s./^\-]*[A-Za-z0-9]+)*\.?$")
+    r"^(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?)\s*"
+    r"(?!" + _NOT_UNITS + r")(?:[A-Za-z][A-Za-z]+|[mgsKJNWVAL])(?:[\s./^\-]*[A-Za-z0-9]+)*\.?$")
+_NUMBER_LIST_AND = re.compile(r"-?\d+(?:\.\d+)?(?:\s*,\s*-?\d+(?:\.\d+)?)*\s*,?\s+and\s+-?\d+(?:\.\d+)?")
+_TRAILING_PERCENT = re.compile(r"(.+?)\s*\\?%")
+_DEGREES = re.compile(r"(.+?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
 _TEXT_GROUPS = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|operatorname|mathbf)\s*\{[^{}]*\}")
 _COMMANDS = re.compile(r"\\[A-Za-z]+")
-_ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*=\s*(?=[^=]+$)")
+_ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*(?:=|\\in\b)\s*(?=[^=]+$)")
 
 
 @dataclass(frozen=True)
@@ -132,7 +145,7 @@ def _last_number(text: str) -> Optional[str]:
     for m in _LAST_NUMBER_RE.finditer(text):
         if _REFERENCE_WORDS.search(text[max(0, m.start() - 12):m.start()]):
             continue
-        found = m.group(1)
+        found = m.group(1) or m.group(2)
     if found is None:
         return None
     return re.sub(_SEP, "", found)
@@ -147,7 +160,7 @@ def extract_answer(text: str) -> Extraction:
         tail = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
         if tail:
             return Extraction(_clean(tail).replace(",", ""), "hashes")
-    matches = _ANSWER_IS_RE.findall(text)
+    matches = [m.replace("**", "") for m in _ANSWER_IS_RE.findall(text)]  # markdown bold
     if matches and _clean(matches[-1]):
         return Extraction(normalize_answer(matches[-1]), "answer_is")
     number = _last_number(text)
@@ -170,14 +183,20 @@ def normalize_answer(ans: str) -> str:
             s = s[2:-2]
     s = s.strip().rstrip(".").strip()
     s = re.sub(r",\\!\s*", ",", s).replace("\\!", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    if re.fullmatch(r"-?\d{1,3}(?:" + _SEP + r"\d{3})+(?:\.\d+)?", s):
-        s = re.sub(_SEP, "", s)
-    m = _E_NOTATION.match(s)
-    if m:
-        s = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
+    s = re.sub(r"^\s*[A-Za-z]\s*\\in(?![A-Za-z])\s*", "", s)  # "x \\in [-2, 7]" states the set [-2, 7]
     m = _NUMBER_THEN_UNIT.match(s)
     if m:
         s = m.group(1)
+    if re.fullmatch(r"-?\d{1,3}(?:" + _SEP + r"\d{3})+(?:\.\d+)?", s):
+        s = re.sub(_SEP, "", s)
+    if _NUMBER_LIST_AND.fullmatch(s):
+        s = re.sub(r"\s*,?\s+and\s+", ", ", s)
+    m = _DEGREES.fullmatch(s)
+    if m and re.fullmatch(r"-?\d+(?:\.\d+)?", m.group(1).strip()):
+        s = m.group(1).strip()
+    m = _E_NOTATION.match(s)
+    if m:
+        s = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
     m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z\s./^-]*\}\s*", s)
     if m and re.fullmatch(r"-?[\d.]+", m.group(1)):
         s = m.group(1)
@@ -249,6 +268,11 @@ def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact
     pred, gold = normalize_answer(_clean(pred)), normalize_answer(_clean(gold))
     if not pred or not gold:
         return False
+    bare = [_TRAILING_PERCENT.fullmatch(a) for a in (pred, gold)]
+    if any(bare):  # "4.2\\%" also matches "4.2" (math-verify alone reads it only as 0.042)
+        unpercent = [m.group(1) if m else a for m, a in zip(bare, (pred, gold))]
+        if answers_equivalent(unpercent[0], unpercent[1], timeout_s, exact_shortcut, rel_tol, abs_tol):
+            return True
     if exact_shortcut and canonical_text(pred) == canonical_text(gold):
         return True
     if symbol_letters(gold) and not symbol_letters(pred):

@@ -308,15 +308,23 @@ class Trainer:
             return idx[bounds[lay.dp_rank]:bounds[lay.dp_rank + 1]]
 
         mine_roll, mine_gold = share(roll), share(gold)
-        rs = teacher.score([items[i].prompt_ids for i in mine_roll], [items[i].response_ids for i in mine_roll])
-        gs = teacher.score([items[i].prompt_ids for i in mine_gold], [items[i].response_ids for i in mine_gold],
-                           top_k=self.cfg.teacher.top_k) if gold else []
-        part = {"logp": {i: s.logprobs.tolist() for i, s in zip(mine_roll, rs)},
-                "topk": {i: (s.topk_ids, s.topk_logprobs) for i, s in zip(mine_gold, gs)}}
+        try:
+            rs = teacher.score([items[i].prompt_ids for i in mine_roll], [items[i].response_ids for i in mine_roll])
+            gs = teacher.score([items[i].prompt_ids for i in mine_gold], [items[i].response_ids for i in mine_gold],
+                               top_k=self.cfg.teacher.top_k) if gold else []
+            part: dict[str, Any] = {"logp": {i: s.logprobs.tolist() for i, s in zip(mine_roll, rs)},
+                                    "topk": {i: (s.topk_ids, s.topk_logprobs) for i, s in zip(mine_gold, gs)}}
+        except Exception as e:  # noqa: BLE001 - sent to the other replicas, which would wait in the gather
+            if lay.replica_group is None:
+                raise
+            part = {"error": f"teacher replica {lay.dp_rank} (rank {self.rank}): {type(e).__name__}: {e}"}
         parts = [part]
         if lay.replica_group is not None:
             parts = [None] * lay.dp
             dist.all_gather_object(parts, part, group=lay.replica_group)
+        errors = [p["error"] for p in parts if "error" in p]
+        if errors:
+            raise RuntimeError("teacher scoring failed: " + "; ".join(errors))
         out: dict[Any, Any] = {i: lp for p in parts for i, lp in p["logp"].items()}
         if gold:
             out["topk"] = {i: v for p in parts for i, v in p["topk"].items()}
@@ -694,7 +702,8 @@ class Trainer:
         reporters = [g for g in gathered if g]
         for k in sorted({k for g in reporters for k in g}):
             vals = [g[k] for g in reporters if k in g and g[k] is not None and math.isfinite(g[k])]
-            merged[k] = sum(vals) / len(vals) if vals else float("nan")
+            reduce = max if k.endswith("_max") else (lambda v: sum(v) / len(v))  # a max over ranks, not a mean
+            merged[k] = reduce(vals) if vals else float("nan")
         if self.rank == 0:  # text-level metrics over the whole step (every rollout, all DP ranks)
             texts = payload["texts"]
             text_metrics = rollout_health(
