@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-BREAKDOWN = ("time/rollout_s", "time/score_s", "time/train_s", "time/sync_s")
+BREAKDOWN = ("time/rollout_s", "time/score_s", "time/train_s", "time/rollout_wait_s", "time/sync_s")
 
 
 def _hwm_mb() -> float:
@@ -65,7 +65,7 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(None, [
         f"algo.preset={preset}", f"model.hf_path={a.student}", f"teacher.hf_path={a.teacher}",
         "teacher.backend=megatron", "rollout.backend=local", f"data.train_path={a.data}", "data.shuffle=false",
-        f"train.steps={a.warmup + a.steps}", f"train.prompts_per_step={a.seqs}", "rollout.n_samples_per_prompt=1",
+        f"train.steps={a.warmup + a.steps + 1}", f"train.prompts_per_step={a.seqs}", "rollout.n_samples_per_prompt=1",
         f"rollout.max_new_tokens={a.new_tokens}", "rollout.temperature=1.0", f"train.micro_batch_size={a.seqs}",
         "optim.lr=1e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1", f"logging.out_dir={a.workdir}",
         "logging.tensorboard=false", "logging.progress_bar=false", "logging.sample_every=0",

@@ -108,6 +108,11 @@ class RolloutConfig:
     parity_check: Literal["error", "warn", "off"] = "error"
     max_engine_logp_absdiff: float = 0.1
     num_threads: int = 0
+    # One-step off-policy: generate step t+1's rollouts on a background thread (weights of step t) while step t
+    # trains, as slime/verl's async modes do. pi_old for those rollouts is the engine's behaviour log-probs, so
+    # the clipped importance ratio corrects the one-step staleness (rollout/staleness reports it). Pays off
+    # when generation and training do not share compute (GPUs, a server engine); measured on CPU in the README.
+    overlap: bool = False
     # backend=local: the engine's weights. "auto": the student's params_dtype. bfloat16 with an fp32 student
     # decodes ~2x faster on CPUs with bf16 GEMMs and on GPUs; sampling and log-probs stay fp32, pi_old is
     # the trainer's, and rollout/engine_trainer_logp_absdiff reports the gap

@@ -20,7 +20,8 @@ import math
 import secrets
 import socket
 import time
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -53,6 +54,15 @@ def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _payload_state(payload: dict[str, Any]) -> dict[str, Any]:
+    """A step payload as plain containers (checkpoints load with weights_only=True)."""
+    return {**payload, "items": [asdict(it) for it in payload["items"]]}
+
+
+def _payload_from_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "items": [SequenceItem(**it) for it in state["items"]]}
 
 
 def golden_count(n_rollouts: int, mixture_ratio: float, n_prompts: int) -> int:
@@ -153,6 +163,9 @@ class Trainer:
         self.weight_version = 0
         self.step = 0
         self.skipped_steps = 0
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending_future: Optional[Future] = None
+        self._pending_payload: Any = None  # the next step's payload, or the error generating it
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.ckpt = CheckpointManager(root, cfg.checkpoint.keep_last, self.rank, world,
@@ -365,9 +378,9 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _rollout(self) -> dict[str, Any]:
-        """Controller (rank 0): prompts -> rollouts + golden -> teacher scores. Returns the payload all
-        ranks train on."""
+    def _rollout(self, step: int, version: int) -> dict[str, Any]:
+        """Controller (rank 0): prompts -> rollouts + golden -> teacher scores, for training step `step`
+        with the engine at weight version `version`. Returns the payload all ranks train on."""
         from megatron_opd.rollout.base import SamplingParams, assert_fresh
 
         cfg = self.cfg
@@ -379,9 +392,9 @@ class Trainer:
         if cfg.algo.mixture_ratio < 1:
             sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                 top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=n,
-                                seed=cfg.rollout.seed + self.step)
+                                seed=cfg.rollout.seed + step)
             samples = self.engine.generate([r.prompt_ids for r in records], sp)
-            assert_fresh(samples, self.weight_version)
+            assert_fresh(samples, version)
             for s in samples:
                 items.append(SequenceItem(s.prompt_ids, s.response_ids, truncated=s.truncated,
                                           behaviour_logprobs=s.logprobs, prompt_index=s.prompt_index))
@@ -391,7 +404,7 @@ class Trainer:
         n_gold = golden_count(len(items), cfg.algo.mixture_ratio, len(records)) if with_gold else 0
         stop_ids = list(self.engine.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        for j in golden_prompt_picks(len(with_gold), n_gold, self.step):
+        for j in golden_prompt_picks(len(with_gold), n_gold, step):
             i = with_gold[j]
             sol, cut = golden_response(records[i].solution_ids, stop_ids, cfg.rollout.max_new_tokens,
                                        eos_id=eos if isinstance(eos, int) else None)
@@ -399,7 +412,7 @@ class Trainer:
         excess = len(items) % self.dp_size
         golden_idx = [i for i, it in enumerate(items) if it.is_golden]
         if excess > len(golden_idx):
-            raise RuntimeError(f"step {self.step}: {len(items)} sequences cannot be split evenly over "
+            raise RuntimeError(f"step {step}: {len(items)} sequences cannot be split evenly over "
                                f"{self.dp_size} data-parallel ranks; make train.prompts_per_step * "
                                "rollout.n_samples_per_prompt a multiple of the data-parallel size")
         drop = set(golden_idx[len(golden_idx) - excess:]) if excess else set()
@@ -422,7 +435,49 @@ class Trainer:
                                      f"has (< {limit}); serve a teacher whose vocab matches (teacher/fidelity.py)")
                 teacher["topk"] = {i: (s.topk_ids, s.topk_logprobs) for i, s in zip(gold, gs)}
         return {"items": items, "teacher": teacher, "texts": texts, "prompt_texts": prompt_texts,
-                "records": [r.id for r in records]}
+                "records": [r.id for r in records], "weight_version": version}
+
+    # -- one-step off-policy overlap (rollout.overlap) ----------------------------------------------
+
+    def _next_payload(self) -> dict[str, Any]:
+        """Rank 0: this step's payload -- the one generated in the background during the previous step
+        (rollout.overlap), else a fresh on-policy rollout."""
+        ready, self._pending_payload = self._pending_payload, None
+        if isinstance(ready, BaseException):  # raised where a synchronous rollout would have raised
+            raise ready
+        return ready if ready is not None else self._rollout(self.step, self.weight_version)
+
+    def _start_next_rollout(self) -> None:
+        """rollout.overlap: generate the next step's rollouts on a background thread with the current
+        (not yet updated) weights while this step trains; `_finish_next_rollout` joins it before the
+        weight sync, so the engine never changes weights mid-generation."""
+        if not self.cfg.rollout.overlap or self.rank != 0 or self.step + 1 >= self.cfg.train.steps:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self._pending_future = self._executor.submit(self._rollout, self.step + 1, self.weight_version)
+
+    def _finish_next_rollout(self) -> None:
+        future, self._pending_future = self._pending_future, None
+        if future is not None:
+            error = future.exception()
+            self._pending_payload = error if error is not None else future.result()
+
+    def _drop_next_rollout(self) -> None:
+        """A rollback: rollouts of the abandoned weights must not train the restored ones."""
+        self._finish_next_rollout()
+        self._pending_payload = None
+
+    def _off_policy_old_logp(self, batch: TrainBatch, payload: dict[str, Any]) -> Optional[torch.Tensor]:
+        """pi_old for rollouts the engine generated with older weights than the trainer's (rollout.overlap):
+        the engine's behaviour log-probs, so the importance ratio pi_theta / pi_old and the advantage
+        log pi_teacher - log pi_old refer to the policy that sampled the tokens. None when on-policy."""
+        if payload.get("weight_version", self.weight_version) == self.weight_version:
+            return None
+        if batch.behaviour_logp is None:
+            raise RuntimeError("rollout.overlap: the rollout engine returned no log-probs for the off-policy "
+                               "rollouts; the importance ratio needs the behaviour policy's log-probs")
+        return batch.behaviour_logp.masked_fill(batch.is_golden[:, None], 0.0)
 
     def _attach_scores(self, batch: TrainBatch, payload: dict[str, Any], rows: list[int]) -> None:
         B, T = batch.response_mask.shape
@@ -582,9 +637,11 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         t0 = time.time()
-        payload = _broadcast(self._rollout() if self.rank == 0 else None)
+        payload = _broadcast(self._next_payload() if self.rank == 0 else None)
         self._last_payload = payload
-        self._release_engine()
+        self._start_next_rollout()
+        if self._pending_future is None:
+            self._release_engine()
         t_rollout = time.time() - t0
         t_score0 = time.time()
         if self.layout_teacher is not None:
@@ -596,13 +653,15 @@ class Trainer:
         batch = build_batch([items[i] for i in rows], self.pad_id, pad_to_multiple=self.student.seq_multiple)
         self._attach_scores(batch, payload, rows)
         mbs = cfg.train.micro_batch_size
-        reuse = self._reuse_old_logp(batch.batch_size)
+        off_policy_old = self._off_policy_old_logp(batch, payload)
+        reuse = off_policy_old is None and self._reuse_old_logp(batch.batch_size)
         full_kl = self.beta_kl > 0 and cfg.algo.kl_estimator == "full"
         # per-token inputs the loss closures fill in themselves (see _loss_fn), collected here for metrics
         # (NaN until written: a micro-batch whose update is skipped before its loss leaves them non-finite)
         self._derived = {k: torch.zeros(batch.response_mask.shape).masked_fill(batch.response_mask, float("nan"))
                          for k, on in (("old_logp", reuse), ("ref_logp", full_kl and self.ref is not None)) if on}
-        old_logp = None if reuse else self.student.score(batch, micro_batch_size=mbs)[0]
+        old_logp = off_policy_old if off_policy_old is not None else (
+            None if reuse else self.student.score(batch, micro_batch_size=mbs)[0])
         if self.teacher_policy is not None:
             with self._teacher_weights():
                 batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
@@ -635,13 +694,16 @@ class Trainer:
         self._derived = {}
 
         t2 = time.time()
+        self._finish_next_rollout()
+        t_wait = time.time() - t2
         self.weight_version += 1
         self._sync_weights()
-        t_sync = time.time() - t2
+        t_sync = time.time() - t2 - t_wait
 
         metrics = self._metrics(batch, payload, rows, train_stats)
         metrics.update({"time/rollout_s": t_rollout, "time/score_s": t_score, "time/train_s": t_train,
-                        "time/sync_s": t_sync,
+                        "time/sync_s": t_sync, "time/rollout_wait_s": t_wait,
+                        "rollout/staleness": float(self.weight_version - 1 - payload.get("weight_version", 0)),
                         "time/step_s": time.time() - t0, "train/beta_kl": self.beta_kl,
                         "train/weight_version": float(self.weight_version)})
         self.step += 1
@@ -806,6 +868,7 @@ class Trainer:
 
     def _rollback(self, target: int) -> None:
         collapsed_at, beta_at_collapse = self.step, self.beta_kl
+        self._drop_next_rollout()
         step, state = self.ckpt.load(target)
         self.student.load_state_dict(state["policy"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
@@ -885,6 +948,8 @@ class Trainer:
             for i in range(min(k, len(payload["texts"])))])
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
         self.log.close()
         if self.engine is not None:
             self.engine.shutdown()
@@ -900,6 +965,8 @@ class Trainer:
                  "rollbacks": self.rollbacks}
         if self.rank == 0:
             state["detector"] = self.detector.state_dict()
+            if isinstance(self._pending_payload, dict):  # rollout.overlap: the next step's rollouts, for an exact resume
+                state["next_payload"] = _payload_state(self._pending_payload)
         self.ckpt.save(self.step, state, meta={"beta_kl": self.beta_kl})
 
     def resume(self, step: Optional[int] = None) -> None:
@@ -920,6 +987,8 @@ class Trainer:
         self._ensure_ref()  # before the RNGs are restored: building a model may draw from them
         set_rng_state(state["rng"])
         self.sampler.load_state_dict(state["sampler"])
+        if state.get("next_payload") is not None:
+            self._pending_payload = _payload_from_state(state["next_payload"])
         if "detector" in state:
             try:
                 self.detector.load_state_dict(state["detector"])
