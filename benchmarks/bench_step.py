@@ -181,7 +181,9 @@ def spawn(a: argparse.Namespace, kind: str, preset: str, paths: tuple[Path, Path
         cmd.append("--trl-no-gc")
     for o in a.override:
         cmd += ["--override", o]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p),
+    # every worker is its own single-process job: a rendezvous this process joined (MASTER_PORT, RANK...) is not its
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "PYTHONPATH": os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     label = f"{kind}:{preset}" if kind != "trl" else "trl"
     print(f"[bench_step] run {run}: {label} ...", file=sys.stderr, flush=True)

@@ -351,14 +351,14 @@ def test_trainer_golden_samples_spread_end_with_stop_id_and_mark_truncation():
                             solution_ids=[30 + i] * (2 + i) + [3]) for i in range(4)]
     picked = []
     for step in range(2):
-        payload = _fake_trainer(records, 12, step)._rollout()
+        payload = _fake_trainer(records, 12, step)._rollout(step, 0)
         gold = [it for it in payload["items"] if it.is_golden]
         assert len(gold) == 2
         picked.append(sorted(it.prompt_index for it in gold))
         for it in gold:
             assert it.response_ids[-1] == 7 and not it.truncated  # the engine's stop id, not the tokenizer's 3
     assert picked == [[0, 2], [1, 3]]  # spread over the prompts and rotating (was [0, 1] every step)
-    payload = _fake_trainer(records, 3, 0)._rollout()
+    payload = _fake_trainer(records, 3, 0)._rollout(0, 0)
     gold = {it.prompt_index: it for it in payload["items"] if it.is_golden}
     assert gold[0].response_ids == [30, 30, 7] and not gold[0].truncated
     assert gold[2].response_ids == [32, 32, 32] and gold[2].truncated  # cut by max_new_tokens: truncated
