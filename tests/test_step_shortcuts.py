@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -197,21 +196,22 @@ def test_local_engine_decodes_with_its_thread_count(setup, monkeypatch):
     finally:
         torch.set_num_threads(before)
 
-    # auto (0): torch's threads, and one thread once a decode step stalls (simulated: a slow step 6)
+    # auto (0): torch's threads, and one thread once a decode step stalls (simulated on a hand-driven clock:
+    # every step takes 1 unit, step 6 takes 100, so a loaded host cannot trip the guard early)
     auto = LocalEngine(engine.model, num_threads=0)
     seen.clear()
     real_auto = auto._forward
+    now = [0.0]
+    auto._clock = lambda: now[0]
 
     def slow_once(*a):
         seen.append(torch.get_num_threads())
-        if len(seen) == 7:
-            time.sleep(max(0.2, 10 * (time.perf_counter() - start)))
+        now[0] += 100.0 if len(seen) == 7 else 1.0
         return real_auto(*a)
 
     auto._forward = slow_once
     torch.set_num_threads(2)
     try:
-        start = time.perf_counter()
         auto.generate([[5, 6, 7]], SamplingParams(max_new_tokens=12, temperature=1.0, seed=0, stop_token_ids=[]))
         assert seen[:7] == [2] * 7 and set(seen[7:]) == {1}, seen
         assert auto.stalls == 1 and torch.get_num_threads() == 2

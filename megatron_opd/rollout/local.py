@@ -68,6 +68,7 @@ class LocalEngine:
             raise ValueError(f"num_threads: must be >= 0 (0: auto), got {num_threads}")
         self.num_threads = num_threads
         self.stalls = 0  # decode calls that fell back to one thread (num_threads=0)
+        self._clock = time.perf_counter  # the stall guard's clock (tests drive it by hand)
         self._single_calls = 0
         self.model = model.eval()
         self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
@@ -199,10 +200,10 @@ class LocalEngine:
                 mask, tok, next_pos = mask[idx], tok[idx], next_pos[idx]
                 alive = [alive[j] for j in keep]
             mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
-            t = time.perf_counter()
+            t = self._clock()
             logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
             if guard:
-                took = time.perf_counter() - t
+                took = self._clock() - t
                 if step >= STALL_WARMUP and took > STALL_FACTOR * fastest:
                     torch.set_num_threads(1)
                     self.stalls += 1
