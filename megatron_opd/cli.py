@@ -11,6 +11,7 @@ from typing import Callable, Optional
 # name -> (module, function, help). The function takes the remaining argv list and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("megatron_opd.trainer.cli", "main", "run OPD / Stable-OPD training from a YAML config"),
+    "sft": ("megatron_opd.trainer.sft", "main", "fine-tune a model on golden solutions (warm start, task teacher)"),
     "eval": ("megatron_opd.eval.cli", "main", "evaluate a model on math benchmarks"),
     "grade-audit": ("megatron_opd.eval.audit", "main", "measure the grader on benchmark files (no model)"),
     "convert": ("tools.checkpoint_convert.convert", "main", "convert HF <-> megatron-core checkpoints"),

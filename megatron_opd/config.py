@@ -396,10 +396,12 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                defaults: Optional[list[str]] = None) -> Config:
     """Build a Config from an optional YAML file plus dotted `key=value` overrides, then validate.
 
-    The algorithm preset fills in its defaults for keys that neither the YAML nor an override set.
+    The algorithm preset fills in its defaults for keys that neither the YAML nor an override set;
+    `defaults` (dotted `key=value`, a command's own defaults such as `sft`'s learning rate) likewise.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -416,6 +418,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     for item in overrides or []:
         keys, value = _parse_override(item)
         data = _deep_merge(data, _nest(keys, value))
+    for item in reversed(defaults or []):
+        keys, value = _parse_override(item)
+        data = _deep_merge(_nest(keys, value), data)
     cfg = Config()
     algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
     preset = algo.get("preset", cfg.algo.preset)

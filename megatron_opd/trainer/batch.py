@@ -170,3 +170,22 @@ def gather_response(per_position: torch.Tensor, batch: TrainBatch) -> torch.Tens
     expanded = idx.unsqueeze(-1).expand(*idx.shape, per_position.shape[-1])
     out = per_position.gather(1, expanded)
     return out * batch.response_mask.unsqueeze(-1)
+
+
+def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: int, seq_multiple: int = 1,
+                        own_length: bool = True) -> list[TrainBatch]:
+    """Split `rows` of `batch` into the fewest micro-batches of at most `micro_batch_size` rows, balanced
+    (10 rows at 8 -> 5 + 5, not 8 + 2 padded to 8 + 8: megatron's schedule needs one row count, so an
+    uneven split pays for masked rows). With `own_length` (PP=1) each is trimmed to its own length; under
+    PP>1 the stages exchange one shape, so all take the longest. Lengths are rounded up to `seq_multiple`
+    (FP8 / sequence parallel). Each part's `source_rows` records its rows in `batch` (-1: padding row)."""
+    n = -(-len(rows) // min(micro_batch_size, len(rows)))
+    bounds = [round(i * len(rows) / n) for i in range(n + 1)]
+    chunks = [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    size = max(len(c) for c in chunks)
+    parts = [batch.select(c) for c in chunks]
+    for part, c in zip(parts, chunks):
+        part.source_rows = torch.as_tensor(c, dtype=torch.long)
+    longest = round_up(max(p.tokens.shape[1] for p in parts), seq_multiple)
+    return [pad_batch(part, size, round_up(part.tokens.shape[1], seq_multiple) if own_length else longest)
+            for part in parts]

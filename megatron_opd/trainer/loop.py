@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.config import Config, dump_config
-from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch
+from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch, split_micro_batches
 from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
 from megatron_opd.models.hf_config import check_family
@@ -539,24 +539,8 @@ class Trainer:
         return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
 
     def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[TrainBatch]:
-        """Split a minibatch's rows into the fewest micro-batches of at most train.micro_batch_size rows,
-        balanced (10 rows at 8 -> 5 + 5, not 8 + 2 padded to 8 + 8: megatron's schedule needs one row
-        count, so an uneven split pays for masked rows). Each is trimmed to its own length (PP=1; under
-        PP>1 the stages exchange one shape, so all take the longest), rounded up to `seq_len_multiple`
-        for FP8 / sequence parallel."""
-        from megatron_opd.trainer.batch import pad_batch, round_up
-
-        n = -(-len(rows) // min(self.cfg.train.micro_batch_size, len(rows)))
-        bounds = [round(i * len(rows) / n) for i in range(n + 1)]
-        chunks = [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        size = max(len(c) for c in chunks)
-        parts = [batch.select(c) for c in chunks]
-        for part, c in zip(parts, chunks):
-            part.source_rows = torch.as_tensor(c, dtype=torch.long)
-        m = self.student.seq_multiple
-        longest = round_up(max(p.tokens.shape[1] for p in parts), m)
-        own = self.cfg.parallel.pipeline_model_parallel_size == 1
-        return [pad_batch(part, size, round_up(part.tokens.shape[1], m) if own else longest) for part in parts]
+        return split_micro_batches(batch, rows, self.cfg.train.micro_batch_size, self.student.seq_multiple,
+                                   own_length=self.cfg.parallel.pipeline_model_parallel_size == 1)
 
     def _ref_logits_source(self, micro: list[TrainBatch]):
         """Reference logits for full-vocabulary KL, one micro-batch at a time (docs/scaling.md).
