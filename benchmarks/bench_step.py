@@ -1,7 +1,7 @@
 """One OPD training step, ours beside TRL's: median step time, CPU-seconds and peak RSS on identical work.
 
-Both trainers get the same student and teacher (the demo's SmolLM2 pair: `megatron-opd demo` prepares
-and caches them; `--tiny` swaps in the demo's tiny random pair), the same prompts (rendered once by our
+Both trainers get the same student and teacher (`demo.bench_pair`: SmolLM2-135M-Instruct with 4 layers
+removed and SmolLM2-135M-Instruct, cached; `--tiny` swaps in the demo's tiny random pair), the same prompts (rendered once by our
 loader and given to TRL as plain text, in the same order, unshuffled), the same number of sequences
 per step (`--seqs` prompts, one sample each), `--new-tokens` new tokens at temperature 1, lr 1e-5,
 clip 1.0, the same dtype (`--dtype`, fp32 by default) and torch thread count. Each run is its own process (peak RSS is per process),
@@ -148,10 +148,10 @@ def prepare(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, Path]:
     from megatron_opd.config import load_config
     from megatron_opd.data.builtin.arithmetic import builtin_splits
     from megatron_opd.data.prompts import load_prompts, write_jsonl
-    from megatron_opd.demo import prepare_models
+    from megatron_opd.demo import bench_pair
     from megatron_opd.models.pretrained import default_cache_dir
 
-    student, teacher = prepare_models(Path(a.cache) if a.cache else default_cache_dir(), a.tiny)
+    student, teacher = bench_pair(Path(a.cache) if a.cache else default_cache_dir(), a.tiny)
     rows, _ = builtin_splits(a.seqs * (a.warmup + a.steps), 1, 0)
     data = write_jsonl(rows, work / "prompts.jsonl")
     cfg = load_config(None, [f"model.hf_path={student}", f"data.train_path={data}"])

@@ -213,6 +213,8 @@ class TrainConfig:
     reuse_old_logp: bool = True
     seed: int = 42
     eval_every: int = 0
+    # with eval_every > 0: evaluate the initial student too, logged at step 0 (the starting point of every curve)
+    eval_before_train: bool = True
     collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"
     max_rollbacks: int = 3  # collapse_action=rollback: one more collapse after this many stops the run
     # the collapse detector's thresholds and windows (megatron_opd/metrics/collapse.py documents each rule)

