@@ -171,13 +171,65 @@ def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Pat
     ]
 
 
+COMPARE_PRESETS = ("opd", "opd_kl", "stable_opd")
+SUMMARY_KEYS = ["rollout/response_len_mean", "rollout/truncation_rate", "rollout/repetition_rate",
+                "logp/student_mean", "logp/teacher_mean", "adv/mean", "loss/pg_loss", "loss/kl", "loss/golden_loss",
+                "eval/accuracy", "time/step_s"]
+
+
+def run_preset(preset: str, out: Path, student: Path, teacher: Path, data: dict[str, Path], steps: int, tiny: bool,
+               overrides: list[str]) -> dict[str, float]:
+    """One demo training run; returns its last step's metrics."""
+    from megatron_opd.trainer.loop import Trainer
+
+    cfg = load_config(None, demo_overrides(student, teacher, data, out, preset, steps, tiny) + list(overrides))
+    print(f"[demo] {preset}: {steps} steps (beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, "
+          f"mixture_ratio={cfg.algo.mixture_ratio}) -> {out}", flush=True)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def compare_table(runs: list[Path]) -> str:
+    """Markdown: per run, held-out accuracy before/after and the health metrics at the first and last
+    training step, and the first step the collapse detector flagged."""
+    from megatron_opd.trainer.logger import read_metrics
+
+    def fmt(v: object) -> str:
+        return "-" if not isinstance(v, (int, float)) or v != v else f"{v:.3g}"
+
+    head = ("| preset | accuracy start -> end | response len | truncation | repetition | adv repetitive / other "
+            "(last step) | collapse flagged |\n|---|---|---|---|---|---|---|")
+    lines = [head]
+    for run in runs:
+        rows = read_metrics(run)
+        acc = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+        steps = [r for r in rows if "rollout/response_len_mean" in r]
+        first, last = (steps[0], steps[-1]) if steps else ({}, {})
+        fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
+
+        def span(k: str) -> str:
+            return f"{fmt(first.get(k))} -> {fmt(last.get(k))}"
+
+        lines.append(f"| {run.name} | {fmt(acc[0]) if acc else '-'} -> {fmt(acc[-1]) if acc else '-'} | "
+                     f"{span('rollout/response_len_mean')} | {span('rollout/truncation_rate')} | "
+                     f"{span('rollout/repetition_rate')} | {fmt(last.get('adv/repetitive_mean'))} / "
+                     f"{fmt(last.get('adv/other_mean'))} | {('step ' + str(fired[0])) if fired else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="megatron-opd demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="stable_opd", choices=["opd", "opd_kl", "stable_opd"])
+    p.add_argument("--preset", default="stable_opd", choices=list(COMPARE_PRESETS))
+    p.add_argument("--compare", action="store_true",
+                   help=f"run {', '.join(COMPARE_PRESETS)} on the same setting; one figure and one table")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--out", default=None, help="run directory (default runs/demo-<preset>)")
-    p.add_argument("--cache", default=None, help="where converted models are kept (default ~/.cache/megatron-opd)")
+    p.add_argument("--out", default=None,
+                   help="run directory (default runs/demo-<preset>; with --compare runs/demo-compare)")
+    p.add_argument("--cache", default=None, help="where prepared models are kept (default ~/.cache/megatron-opd)")
     p.add_argument("--tiny", action="store_true", help="tiny random models instead of SmolLM2 (smoke test)")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     args = p.parse_args(argv)
@@ -185,33 +237,34 @@ def main(argv: list[str]) -> int:
 
     from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
     from megatron_opd.models.pretrained import default_cache_dir
-    from megatron_opd.trainer.loop import Trainer
     from megatron_opd.trainer.plot import plot_runs
 
     t0 = time.time()
-    out = Path(args.out or f"runs/demo-{args.preset}{'-tiny' if args.tiny else ''}")
+    tag = "compare" if args.compare else args.preset
+    out = Path(args.out or f"runs/demo-{tag}{'-tiny' if args.tiny else ''}")
     cache = Path(args.cache) if args.cache else default_cache_dir()
     print(f"[demo] preparing models in {cache} (the first run converts SmolLM2 from GGUF and fine-tunes the "
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))
     data = write_builtin_jsonl(out / "data", n_train=N_TRAIN, n_eval=8 if args.tiny else N_EVAL)
-    cfg = load_config(None, demo_overrides(student, teacher, data, out, args.preset, args.steps, args.tiny)
-                      + list(args.overrides))
-    t_acc = teacher_accuracy(teacher, data["eval"], cfg.rollout.max_new_tokens)
-    print(f"[demo] student {student.name}, teacher {teacher.name} (held-out greedy accuracy {t_acc:.3f}), preset "
-          f"{args.preset}, {args.steps} steps (beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, "
-          f"mixture_ratio={cfg.algo.mixture_ratio})", flush=True)
-    trainer = Trainer(cfg)
-    try:
-        last = trainer.train()
-    finally:
-        trainer.close()
+    max_new = load_config(None, demo_overrides(student, teacher, data, out, args.preset, args.steps, args.tiny)
+                          + list(args.overrides)).rollout.max_new_tokens
+    t_acc = teacher_accuracy(teacher, data["eval"], max_new)
+    print(f"[demo] student {student.name}, teacher {teacher.name} (held-out greedy accuracy {t_acc:.3f})", flush=True)
+    if args.compare:
+        runs = [out / preset for preset in COMPARE_PRESETS]
+        for preset, run in zip(COMPARE_PRESETS, runs):
+            run_preset(preset, run, student, teacher, data, args.steps, args.tiny, args.overrides)
+        png = plot_runs(runs, out / "dynamics.png")
+        table = compare_table(runs)
+        (out / "table.md").write_text(f"teacher held-out accuracy: {t_acc:.3f}\n\n" + table)
+        print(f"\n[demo] done in {time.time() - t0:.0f} s.\n\n{table}\n[demo] figure: {png}\n[demo] table: "
+              f"{out / 'table.md'}")
+        return 0
+    last = run_preset(args.preset, out, student, teacher, data, args.steps, args.tiny, args.overrides)
     png = plot_runs([out], out / "dynamics.png")
-    keys = ["rollout/response_len_mean", "rollout/truncation_rate", "rollout/repetition_rate",
-            "logp/student_mean", "logp/teacher_mean", "adv/mean", "loss/pg_loss", "loss/kl", "loss/golden_loss",
-            "eval/accuracy", "time/step_s"]
     print(f"\n[demo] done in {time.time() - t0:.0f} s. Last step:")
-    for k in keys:
+    for k in SUMMARY_KEYS:
         if k in last:
             print(f"  {k:32s} {last[k]:.4g}")
     print(f"[demo] metrics: {out / 'metrics.jsonl'}\n[demo] tensorboard: tensorboard --logdir {out / 'tb'}\n"

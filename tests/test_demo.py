@@ -56,3 +56,39 @@ def test_tiny_demo_runs_and_evaluates_before_and_after(tmp_path: Path, capsys: p
     assert (out / "dynamics.png").is_file() and (out / "checkpoints" / "latest").is_file()
     printed = capsys.readouterr().out
     assert "held-out greedy accuracy" in printed and "arith-teacher" in printed
+
+
+def test_tiny_demo_compare_runs_every_preset_into_one_figure_and_table(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cmp"
+    assert demo.main(["--tiny", "--compare", "--steps", "2", "--out", str(out), "--cache", str(tmp_path / "cache"),
+                      "logging.progress_bar=false"]) == 0
+    for preset in demo.COMPARE_PRESETS:
+        rows = [json.loads(l) for l in (out / preset / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == 2
+        assert (rows[-1].get("loss/kl") is not None) == (preset != "opd")
+    table = (out / "table.md").read_text()
+    assert [l.split("|")[1].strip() for l in table.splitlines() if l.startswith("| ") and "preset" not in l] == \
+        list(demo.COMPARE_PRESETS)
+    assert (out / "dynamics.png").is_file() and "collapse flagged" in capsys.readouterr().out
+
+
+def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> None:
+    from megatron_opd.trainer.plot import plot_runs
+
+    runs = []
+    for name, flag_at in (("opd", 3), ("stable_opd", None)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": 0, "eval/accuracy": 0.3}] + [
+            {"step": s, "rollout/response_len_mean": 10.0 * s, "rollout/truncation_rate": 0.1, "rollout/repetition_rate": 0.0,
+             "adv/repetitive_mean": 2.0, "adv/other_mean": 0.5, "health/collapsed": float(s == flag_at),
+             **({"eval/accuracy": 0.1} if s == 4 else {})}
+            for s in (1, 2, 3, 4)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(d)
+    table = demo.compare_table(runs)
+    opd_row, stable_row = [l for l in table.splitlines() if l.startswith("| opd") or l.startswith("| stable")]
+    assert "step 3" in opd_row and stable_row.rstrip(" |").endswith("no")
+    assert "0.3 -> 0.1" in opd_row and "10 -> 40" in opd_row and "2 / 0.5" in opd_row
+    assert plot_runs(runs, tmp_path / "fig.png").stat().st_size > 1000

@@ -1,5 +1,7 @@
 """`megatron-opd plot RUN_DIR [RUN_DIR ...]`: the paper's training-dynamics figure (response length,
-truncation rate, repetition rate, accuracy vs step) from runs' metrics.jsonl, one line per run."""
+truncation rate, repetition rate, advantage on repetitive vs other tokens, held-out accuracy vs step) from
+runs' metrics.jsonl, one colour per run. Steps where the run's collapse detector fired
+(`health/collapsed`) are marked on every panel and named in the legend."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from typing import Optional
 
 from megatron_opd.trainer.logger import read_metrics
 
+ADV_PANEL = "adv/repetitive_vs_other"  # two lines per run: adv/repetitive_mean dashed, adv/other_mean solid
 PANELS = [
     ("rollout/response_len_mean", "response length (tokens)"),
     ("rollout/truncation_rate", "truncation rate"),
     ("rollout/repetition_rate", "repetition rate"),
-    ("eval/accuracy", "accuracy"),
+    (ADV_PANEL, "advantage: repetitive (--) vs other (-)"),
+    ("eval/accuracy", "held-out accuracy"),
 ]
 
 
@@ -25,13 +29,21 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, panels: Optional[list
 
     panels = panels or PANELS
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
-    for run in run_dirs:
+    for i, run in enumerate(run_dirs):
         rows = read_metrics(run)
+        color = f"C{i % 10}"
+        fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
+        label = Path(run).name + (f" (collapse flagged at step {fired[0]})" if fired else "")
         for ax, (key, _) in zip(axes, panels):
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=Path(run).name)
+            lines = [("adv/other_mean", "-"), ("adv/repetitive_mean", "--")] if key == ADV_PANEL else [(key, "-")]
+            for k, style in lines:
+                pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, style, color=color, marker="o" if len(xs) < 30 else None, ms=3,
+                            label=label if ax is axes[0] else None)
+            for step in fired:
+                ax.axvline(step, color=color, alpha=0.35, lw=1, ls=":")
     for ax, (key, title) in zip(axes, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
