@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import yaml
 
 from megatron_opd.metrics.collapse import CollapseConfig
+from megatron_opd.metrics.health import HealthConfig
 
 
 class ConfigError(ValueError):
@@ -219,6 +220,9 @@ class TrainConfig:
     max_rollbacks: int = 3  # collapse_action=rollback: one more collapse after this many stops the run
     # the collapse detector's thresholds and windows (megatron_opd/metrics/collapse.py documents each rule)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    # the repetition detectors' thresholds (megatron_opd/metrics/health.py): the defaults are the paper's, made
+    # for responses of thousands of tokens; short length budgets need them scaled (docs/reproduction.md)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass
@@ -519,6 +523,10 @@ def validate(cfg: Config) -> None:
         dataclasses.replace(t.collapse)  # re-runs CollapseConfig's checks on the loaded values
     except ValueError as e:
         raise ConfigError(str(e).replace("CollapseConfig.", "train.collapse.", 1)) from None
+    try:
+        dataclasses.replace(t.health)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("HealthConfig.", "train.health.", 1)) from None
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
     if r.backend == "sglang" and r.colocate and r.server_url is not None:
         host = urlparse(r.server_url).hostname

@@ -257,3 +257,16 @@ def test_sigkill_during_a_checkpoint_resave_then_resume_matches_the_uninterrupte
     _assert_same_rows(read_metrics(ref_out), read_metrics(out))
     _assert_same_weights(_weights(ref_out, 4), _weights(out, 4))
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002", "step_00000003", "step_00000004"]
+
+
+def test_health_thresholds_from_the_config_reach_the_logged_metrics(setup, tmp_path: Path) -> None:
+    """`train.health.*` sets the repetition detectors the trainer logs with (short budgets need scaled
+    thresholds): at the paper's defaults no 8-token rollout is repetitive; with every threshold near zero,
+    every rollout is."""
+    rates = {}
+    for name, extra in (("default", ()), ("scaled", ("train.health.text_threshold=0.01",
+                                                       "train.health.token_threshold=0.01"))):
+        _run(_trainer(setup, tmp_path / name, "warn", 1, *extra))
+        [row] = [r for r in _raw_rows(tmp_path / name) if r.get("step") == 1]
+        rates[name] = (row["rollout/repetition_rate"], row["rollout/repetition_rate_tokens"])
+    assert rates == {"default": (0.0, 0.0), "scaled": (1.0, 1.0)}

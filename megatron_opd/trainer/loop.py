@@ -728,7 +728,8 @@ class Trainer:
                 adv, lps = None, {}
             local = rollout_health(batch.response_mask, token_ids=batch.response_ids, truncated=batch.truncated,
                                    advantages=adv, logp=lps.get("old_logp"), teacher_logp=lps.get("teacher_logp"),
-                                   ref_logp=lps.get("ref_logp"), is_golden=batch.is_golden)
+                                   ref_logp=lps.get("ref_logp"), is_golden=batch.is_golden,
+                                   config=self.cfg.train.health)
             local["health/nonfinite_logp"] = float(not finite)
             keys = sorted({k for s in train_stats for k in s})
             for k in keys:
@@ -754,7 +755,8 @@ class Trainer:
             texts = payload["texts"]
             text_metrics = rollout_health(
                 torch.ones((len(texts), 1), dtype=torch.bool), response_texts=texts,
-                truncated=[it.truncated for it in payload["items"] if not it.is_golden][: len(texts)]) if texts else {}
+                truncated=[it.truncated for it in payload["items"] if not it.is_golden][: len(texts)],
+                config=self.cfg.train.health) if texts else {}
             for k in ("rollout/repetition_rate", "rollout/truncation_rate"):
                 if k in text_metrics:
                     merged[k] = text_metrics[k]
