@@ -35,6 +35,9 @@ TEACHER_RECIPE = {"problems": 2000, "data_seed": 1, "steps": 20, "batch_size": 1
 TINY_TEACHER_RECIPE = {"problems": 64, "data_seed": 1, "steps": 12, "batch_size": 8, "lr": 3e-3,
                        "params_dtype": "float32", "micro_batch_size": 8}
 N_TRAIN, N_EVAL = 200, 48  # the demo's OPD prompts and held-out problems (builtin arithmetic, seed 0)
+# (steps, response budget in tokens). One run: every preset learns here within minutes. --compare: long
+# enough, with room for responses to grow, for plain OPD to degrade (docs/reproduction.md has the search).
+DEMO_SETTING, COMPARE_SETTING = (12, 64), (30, 128)
 
 
 def bench_pair(cache: Path, tiny: bool = False) -> tuple[Path, Path]:
@@ -159,7 +162,7 @@ def _tiny_models(root: Path) -> tuple[Path, Path]:
 
 
 def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Path, preset: str, steps: int,
-                   tiny: bool) -> list[str]:
+                   tiny: bool, max_new_tokens: int = DEMO_SETTING[1]) -> list[str]:
     """The demo's setting (docs/reproduction.md: chosen because every preset learns in it within minutes).
     Held-out greedy accuracy is measured at step 0 and at each third of a run of 6 or more steps, else at
     its end."""
@@ -168,7 +171,7 @@ def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Pat
         f"data.train_path={data['train']}", f"data.eval_paths=[arith={data['eval']}]",
         f"train.steps={steps}", "train.prompts_per_step=4", "train.micro_batch_size=16",
         f"train.eval_every={steps // 3 if steps >= 6 else steps}", "rollout.n_samples_per_prompt=2",
-        f"rollout.max_new_tokens={32 if tiny else 64}", "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={32 if tiny else max_new_tokens}", "rollout.temperature=1.0",
         "optim.lr=5e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1",
         f"logging.out_dir={out}", "logging.sample_every=1", f"checkpoint.save_every={steps}", "checkpoint.keep_last=1",
         "checkpoint.resume=never",
@@ -185,11 +188,12 @@ SUMMARY_KEYS = ["rollout/response_len_mean", "rollout/truncation_rate", "rollout
 
 
 def run_preset(preset: str, out: Path, student: Path, teacher: Path, data: dict[str, Path], steps: int, tiny: bool,
-               overrides: list[str]) -> dict[str, float]:
+               overrides: list[str], max_new_tokens: int = DEMO_SETTING[1]) -> dict[str, float]:
     """One demo training run; returns its last step's metrics."""
     from megatron_opd.trainer.loop import Trainer
 
-    cfg = load_config(None, demo_overrides(student, teacher, data, out, preset, steps, tiny) + list(overrides))
+    cfg = load_config(None, demo_overrides(student, teacher, data, out, preset, steps, tiny, max_new_tokens)
+                      + list(overrides))
     print(f"[demo] {preset}: {steps} steps (beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, "
           f"mixture_ratio={cfg.algo.mixture_ratio}) -> {out}", flush=True)
     trainer = Trainer(cfg)
@@ -200,30 +204,41 @@ def run_preset(preset: str, out: Path, student: Path, teacher: Path, data: dict[
 
 
 def compare_table(runs: list[Path]) -> str:
-    """Markdown: per run, held-out accuracy before/after and the health metrics at the first and last
-    training step, and the first step the collapse detector flagged."""
+    """Markdown, one row per run: held-out accuracy at the start, its peak and at the end; response length,
+    truncation and repetition rates at the first step, their maximum over the run and at the last step (a
+    transient burst shows in the middle); the mean advantage on repetitive vs other tokens over the steps
+    that had repetitive tokens; and the first step the collapse detector flagged."""
     from megatron_opd.trainer.logger import read_metrics
 
     def fmt(v: object) -> str:
         return "-" if not isinstance(v, (int, float)) or v != v else f"{v:.3g}"
 
-    head = ("| preset | accuracy start -> end | response len | truncation | repetition | adv repetitive / other "
-            "(last step) | collapse flagged |\n|---|---|---|---|---|---|---|")
+    head = ("| preset | accuracy start -> peak (step) -> end | response len first / max / last | truncation "
+            "first / max / last | repetition first / max / last | adv repetitive vs other (steps with "
+            "repetitive tokens) | collapse flagged |\n|---|---|---|---|---|---|---|")
     lines = [head]
     for run in runs:
         rows = read_metrics(run)
-        acc = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+        evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
         steps = [r for r in rows if "rollout/response_len_mean" in r]
-        first, last = (steps[0], steps[-1]) if steps else ({}, {})
         fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
 
         def span(k: str) -> str:
-            return f"{fmt(first.get(k))} -> {fmt(last.get(k))}"
+            vals = [r[k] for r in steps if isinstance(r.get(k), (int, float)) and r[k] == r[k]]
+            return f"{fmt(vals[0])} / {fmt(max(vals))} / {fmt(vals[-1])}" if vals else "-"
 
-        lines.append(f"| {run.name} | {fmt(acc[0]) if acc else '-'} -> {fmt(acc[-1]) if acc else '-'} | "
-                     f"{span('rollout/response_len_mean')} | {span('rollout/truncation_rate')} | "
-                     f"{span('rollout/repetition_rate')} | {fmt(last.get('adv/repetitive_mean'))} / "
-                     f"{fmt(last.get('adv/other_mean'))} | {('step ' + str(fired[0])) if fired else 'no'} |")
+        if evals:
+            peak = max(evals, key=lambda e: e[1])
+            acc = f"{fmt(evals[0][1])} -> {fmt(peak[1])} ({peak[0]}) -> {fmt(evals[-1][1])}"
+        else:
+            acc = "-"
+        rep = [(r["adv/repetitive_mean"], r["adv/other_mean"]) for r in steps
+               if isinstance(r.get("adv/repetitive_mean"), (int, float)) and r["adv/repetitive_mean"] == r["adv/repetitive_mean"]
+               and isinstance(r.get("adv/other_mean"), (int, float))]
+        adv = (f"{fmt(sum(a for a, _ in rep) / len(rep))} vs {fmt(sum(o for _, o in rep) / len(rep))} ({len(rep)})"
+               if rep else "none")
+        lines.append(f"| {run.name} | {acc} | {span('rollout/response_len_mean')} | {span('rollout/truncation_rate')} | "
+                     f"{span('rollout/repetition_rate')} | {adv} | {('step ' + str(fired[0])) if fired else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,7 +248,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preset", default="stable_opd", choices=list(COMPARE_PRESETS))
     p.add_argument("--compare", action="store_true",
                    help=f"run {', '.join(COMPARE_PRESETS)} on the same setting; one figure and one table")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps (default {DEMO_SETTING[0]}; with --compare {COMPARE_SETTING[0]})")
     p.add_argument("--out", default=None,
                    help="run directory (default runs/demo-<preset>; with --compare runs/demo-compare)")
     p.add_argument("--cache", default=None, help="where prepared models are kept (default ~/.cache/megatron-opd)")
@@ -246,6 +262,8 @@ def main(argv: list[str]) -> int:
     from megatron_opd.models.pretrained import default_cache_dir
     from megatron_opd.trainer.plot import plot_runs
 
+    steps, max_new_tokens = COMPARE_SETTING if args.compare else DEMO_SETTING
+    steps = args.steps if args.steps is not None else steps
     t0 = time.time()
     tag = "compare" if args.compare else args.preset
     out = Path(args.out or f"runs/demo-{tag}{'-tiny' if args.tiny else ''}")
@@ -254,21 +272,21 @@ def main(argv: list[str]) -> int:
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))
     data = write_builtin_jsonl(out / "data", n_train=N_TRAIN, n_eval=8 if args.tiny else N_EVAL)
-    max_new = load_config(None, demo_overrides(student, teacher, data, out, args.preset, args.steps, args.tiny)
-                          + list(args.overrides)).rollout.max_new_tokens
+    max_new = load_config(None, demo_overrides(student, teacher, data, out, args.preset, steps, args.tiny,
+                                               max_new_tokens) + list(args.overrides)).rollout.max_new_tokens
     t_acc = teacher_accuracy(teacher, data["eval"], max_new)
     print(f"[demo] student {student.name}, teacher {teacher.name} (held-out greedy accuracy {t_acc:.3f})", flush=True)
     if args.compare:
         runs = [out / preset for preset in COMPARE_PRESETS]
         for preset, run in zip(COMPARE_PRESETS, runs):
-            run_preset(preset, run, student, teacher, data, args.steps, args.tiny, args.overrides)
+            run_preset(preset, run, student, teacher, data, steps, args.tiny, args.overrides, max_new_tokens)
         png = plot_runs(runs, out / "dynamics.png")
         table = compare_table(runs)
         (out / "table.md").write_text(f"teacher held-out accuracy: {t_acc:.3f}\n\n" + table)
         print(f"\n[demo] done in {time.time() - t0:.0f} s.\n\n{table}\n[demo] figure: {png}\n[demo] table: "
               f"{out / 'table.md'}")
         return 0
-    last = run_preset(args.preset, out, student, teacher, data, args.steps, args.tiny, args.overrides)
+    last = run_preset(args.preset, out, student, teacher, data, steps, args.tiny, args.overrides, max_new_tokens)
     png = plot_runs([out], out / "dynamics.png")
     print(f"\n[demo] done in {time.time() - t0:.0f} s. Last step:")
     for k in SUMMARY_KEYS:

@@ -165,7 +165,9 @@ def test_reset_forgets_history_and_onset():
 @pytest.mark.parametrize("kw,name", [({"window": 0}, "window"), ({"patience": 0}, "patience"),
                                      ({"length_ratio": 0.9}, "length_ratio"),
                                      ({"truncation_jump": math.nan}, "truncation_jump"),
-                                     ({"baseline": "median"}, "baseline"), ({"min_steps": -1}, "min_steps")])
+                                     ({"baseline": "median"}, "baseline"), ({"min_steps": -1}, "min_steps"),
+                                     ({"accuracy_drop": 0.0}, "accuracy_drop"), ({"accuracy_drop": 1.5}, "accuracy_drop"),
+                                     ({"accuracy_floor": -0.1}, "accuracy_floor")])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=f"CollapseConfig.{name}"):
         CollapseConfig(**kw)
@@ -190,3 +192,45 @@ def test_thresholds_come_from_the_config_and_errors_name_the_key(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(None, [override])
         assert str(e.value).split(":", 1)[0] == key, str(e.value)
+
+
+ACC = "eval/accuracy"
+
+
+def test_accuracy_drop_flags_the_evaluation_that_lost_half_of_the_best():
+    """Answers that degrade without growing trip no rollout rule; the accuracy rule compares each held-out
+    evaluation with the best earlier one (the initial student's included) and needs no windows."""
+    det = CollapseDetector()
+    det.observe_eval({ACC: 0.25}, step=0)
+    verdicts = [det.update({TR: 0.0, LEN: 30.0, **({ACC: a} if a is not None else {})}, step=s)
+                for s, a in ((1, None), (10, 0.42), (11, None), (20, 0.29), (30, 0.0))]
+    assert [v.collapsed for v in verdicts] == [False, False, False, False, True]
+    assert verdicts[-1].onset_step == 30 and "0.420 at step 10" in verdicts[-1].reasons[0]
+    flat = CollapseDetector()
+    flat.observe_eval({ACC: 0.25}, step=0)
+    assert not any(flat.update({ACC: a}, step=s).collapsed for s, a in ((10, 0.44), (20, 0.42), (30, 0.54)))
+
+
+def test_accuracy_rule_respects_floor_threshold_and_off_switch():
+    low = CollapseDetector()
+    low.observe_eval({ACC: 0.04})
+    assert not low.update({ACC: 0.0}, step=1).collapsed  # best below accuracy_floor: noise, not a collapse
+    loose = CollapseDetector(CollapseConfig(accuracy_drop=0.9))
+    loose.observe_eval({ACC: 0.5})
+    assert not loose.update({ACC: 0.1}, step=1).collapsed and loose.update({ACC: 0.04}, step=2).collapsed
+    off = CollapseDetector(CollapseConfig(accuracy_drop=None))
+    off.observe_eval({ACC: 0.5})
+    assert not off.update({ACC: 0.0}, step=1).collapsed
+
+
+def test_accuracy_best_survives_state_round_trip_and_old_states_load():
+    det = CollapseDetector()
+    det.observe_eval({ACC: 0.6}, step=0)
+    state = json.loads(json.dumps(det.state_dict()))
+    resumed = CollapseDetector()
+    resumed.load_state_dict(state)
+    assert resumed.update({ACC: 0.2}, step=5).collapsed
+    del state["best_accuracy"]  # a checkpoint from before the accuracy rule
+    old = CollapseDetector()
+    old.load_state_dict(state)
+    assert not old.update({ACC: 0.2}, step=5).collapsed

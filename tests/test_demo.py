@@ -90,5 +90,5 @@ def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> N
     table = demo.compare_table(runs)
     opd_row, stable_row = [l for l in table.splitlines() if l.startswith("| opd") or l.startswith("| stable")]
     assert "step 3" in opd_row and stable_row.rstrip(" |").endswith("no")
-    assert "0.3 -> 0.1" in opd_row and "10 -> 40" in opd_row and "2 / 0.5" in opd_row
+    assert "0.3 -> 0.3 (0) -> 0.1" in opd_row and "10 / 40 / 40" in opd_row and "2 vs 0.5 (4)" in opd_row
     assert plot_runs(runs, tmp_path / "fig.png").stat().st_size > 1000

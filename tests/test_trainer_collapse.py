@@ -270,3 +270,22 @@ def test_health_thresholds_from_the_config_reach_the_logged_metrics(setup, tmp_p
         [row] = [r for r in _raw_rows(tmp_path / name) if r.get("step") == 1]
         rates[name] = (row["rollout/repetition_rate"], row["rollout/repetition_rate_tokens"])
     assert rates == {"default": (0.0, 0.0), "scaled": (1.0, 1.0)}
+
+
+def test_accuracy_drop_is_judged_from_the_trainers_evaluations(setup, tmp_path: Path) -> None:
+    """The step-0 evaluation is the accuracy rule's first baseline and each periodic evaluation is judged.
+    `evaluate` is scripted here (the tiny random models score 0 on anything; the real evaluation path is
+    covered by tests/test_demo.py and tests/test_eval_cli.py)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    script = iter([0.5, 0.45, 0.3, 0.2])
+
+    class Scripted(Trainer):
+        def evaluate(self) -> dict[str, float]:
+            return {"eval/accuracy": next(script)}
+
+    out = tmp_path / "acc"
+    _run(_trainer(setup, out, "warn", 3, "train.eval_every=1", "train.collapse.length_ratio=null", cls=Scripted))
+    rows = {r["step"]: r for r in _raw_rows(out)}
+    assert rows[0]["eval/accuracy"] == 0.5 and "health/collapsed" not in rows[0]
+    assert [rows[s]["health/collapsed"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]  # 0.2 < half of the step-0 0.5

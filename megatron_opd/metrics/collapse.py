@@ -16,7 +16,14 @@ Rules (a threshold of None disables a rule); `cur`/`base` are window means:
   truncation ratio:   cur > truncation_ratio * max(base, rate_floor)     (floor: 0 -> 1 truncation is no ratio)
   length growth:      cur > length_ratio * base                          (base > 0)
   repetition jump:    cur - base > repetition_jump
+  accuracy drop:      acc < (1 - accuracy_drop) * best                   (held-out evaluations, see below)
 NaN / missing metric values are skipped (a step without truncation info does not count for that metric).
+
+The accuracy rule watches `accuracy_key` (the trainer's periodic held-out evaluation, `eval/accuracy`): a run
+whose answers degrade without growing (seen at CPU scale, docs/reproduction.md) trips none of the rollout
+rules. It compares each evaluation with the best earlier one (the initial student's included, fed through
+`observe_eval`) once that best is at least `accuracy_floor`; evaluations are sparse, so it needs neither
+windows nor patience nor `min_steps`.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class CollapseConfig:
     baseline: Literal["initial", "trailing"] = "initial"
     min_steps: int = 20
     patience: int = 2
+    accuracy_key: str = "eval/accuracy"
+    accuracy_drop: Optional[float] = 0.5
+    accuracy_floor: float = 0.05
 
     def __post_init__(self) -> None:
         for name in ("window", "baseline_window", "patience"):
@@ -52,7 +62,10 @@ class CollapseConfig:
             raise ValueError(f"CollapseConfig.min_steps: must be >= 0, got {self.min_steps}")
         if self.baseline not in ("initial", "trailing"):
             raise ValueError(f"CollapseConfig.baseline: must be 'initial' or 'trailing', got {self.baseline!r}")
-        for name in ("truncation_jump", "truncation_ratio", "length_ratio", "repetition_jump", "rate_floor"):
+        if self.accuracy_drop is not None and not (math.isfinite(self.accuracy_drop) and 0 < self.accuracy_drop <= 1):
+            raise ValueError(f"CollapseConfig.accuracy_drop: a fraction in (0, 1] or None, got {self.accuracy_drop}")
+        for name in ("truncation_jump", "truncation_ratio", "length_ratio", "repetition_jump", "rate_floor",
+                     "accuracy_floor"):
             v = getattr(self, name)
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"CollapseConfig.{name}: must be a finite number >= 0 or None, got {v}")
@@ -101,6 +114,7 @@ class CollapseDetector:
         self._counts: dict[str, int] = {}
         self._recent: dict[str, deque[float]] = {}
         self._recent_len = c.window + (c.baseline_window if c.baseline == "trailing" else 0)
+        self._best_acc: Optional[tuple[float, int]] = None  # (best held-out accuracy so far, its step)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable state."""
@@ -111,6 +125,7 @@ class CollapseDetector:
             "last_step": self._last_step,
             "onset_step": self._onset_step,
             "streak": dict(self._streak),
+            "best_accuracy": list(self._best_acc) if self._best_acc is not None else None,
             "series": {
                 k: {"initial": list(self._initial[k]), "recent": list(self._recent[k]), "count": self._counts[k]}
                 for k in self._recent
@@ -135,6 +150,8 @@ class CollapseDetector:
         self._last_step = state["last_step"]
         self._onset_step = state["onset_step"]
         self._streak = {str(k): int(v) for k, v in state["streak"].items()}
+        best = state.get("best_accuracy")  # absent in states saved before the accuracy rule
+        self._best_acc = (float(best[0]), int(best[1])) if best is not None else None
         for k, s in state["series"].items():
             self._initial[k] = [float(x) for x in s["initial"]]
             self._recent[k] = deque((float(x) for x in s["recent"]), maxlen=self._recent_len)
@@ -179,6 +196,28 @@ class CollapseDetector:
             ("repetition_jump", c.repetition_key, c.repetition_jump),
         ]
 
+    def observe_eval(self, metrics: Mapping[str, Any], step: int = 0) -> None:
+        """Record an evaluation made outside a training step (the initial student's, at step 0) as a
+        baseline for the accuracy rule; judges nothing."""
+        self._accuracy(metrics, step)
+
+    def _accuracy(self, metrics: Mapping[str, Any], step: int) -> Optional[str]:
+        """The accuracy rule: the reason when this evaluation fell below (1 - accuracy_drop) x the best
+        earlier one; then updates the best."""
+        c = self.config
+        acc = metrics.get(c.accuracy_key)
+        if acc is None or not math.isfinite(float(acc)):
+            return None
+        acc, why = float(acc), None
+        if self._best_acc is not None and c.accuracy_drop is not None:
+            best, at = self._best_acc
+            if best >= c.accuracy_floor and acc < (1 - c.accuracy_drop) * best:
+                why = (f"accuracy_drop: {c.accuracy_key} fell to {acc:.3f} from {best:.3f} at step {at} "
+                       f"(more than {c.accuracy_drop:.0%} lost)")
+        if self._best_acc is None or acc > self._best_acc[0]:
+            self._best_acc = (acc, step)
+        return why
+
     def update(self, metrics: Mapping[str, Any], step: Optional[int] = None) -> CollapseVerdict:
         """Add one step's metrics and judge. `step` defaults to metrics['step'], else the update count."""
         c = self.config
@@ -210,6 +249,9 @@ class CollapseDetector:
             if hit and self._streak[rule] >= c.patience and self._num_updates >= c.min_steps:
                 reasons.append(f"{rule}: {why}")
 
+        acc_why = self._accuracy(metrics, step)
+        if acc_why is not None:
+            reasons.append(acc_why)
         collapsed = bool(reasons)
         if collapsed and self._onset_step is None:
             self._onset_step = step

@@ -815,7 +815,7 @@ class Trainer:
         self._collapse_reasons = reasons
         action = self.cfg.train.collapse_action
         if self.rank == 0:
-            logger.warning("step %d: length-inflation collapse detected (%s); action=%s", self.step, reasons, action)
+            logger.warning("step %d: collapse detected (%s); action=%s", self.step, reasons, action)
         return action
 
     def _apply_collapse_action(self, action: str) -> bool:
@@ -893,6 +893,8 @@ class Trainer:
             start = self.evaluate()
             if start:
                 self.log.log(0, start)
+                if self.rank == 0:
+                    self.detector.observe_eval(start, step=0)
         try:
             while self.step < cfg.train.steps and (stop_after is None or ran < stop_after):
                 metrics = self.train_step()
