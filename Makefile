@@ -30,7 +30,7 @@ test-all: venv
 bench: venv
 	$(VENV)/bin/python benchmarks/bench_objective.py
 
-# One OPD step, ours beside TRL's DistillationTrainer (the `bench` extra), on the demo's SmolLM2 pair:
+# One OPD step, ours beside TRL's DistillationTrainer (the `bench` extra), on the SmolLM2 benchmark pair (demo.bench_pair):
 # ~20 min on a 2-core CPU. BENCH_ARGS: e.g. --rounds 1, --presets opd, --before REV.
 BENCH_ARGS ?=
 bench-step: venv

@@ -200,37 +200,47 @@ ACC = "eval/accuracy"
 def test_accuracy_drop_flags_the_evaluation_that_lost_half_of_the_best():
     """Answers that degrade without growing trip no rollout rule; the accuracy rule compares each held-out
     evaluation with the best earlier one (the initial student's included) and needs no windows."""
-    det = CollapseDetector()
+    det = CollapseDetector(CollapseConfig(min_steps=0))
     det.observe_eval({ACC: 0.25}, step=0)
     verdicts = [det.update({TR: 0.0, LEN: 30.0, **({ACC: a} if a is not None else {})}, step=s)
                 for s, a in ((1, None), (10, 0.42), (11, None), (20, 0.29), (30, 0.0))]
     assert [v.collapsed for v in verdicts] == [False, False, False, False, True]
     assert verdicts[-1].onset_step == 30 and "0.420 at step 10" in verdicts[-1].reasons[0]
-    flat = CollapseDetector()
+    flat = CollapseDetector(CollapseConfig(min_steps=0))
     flat.observe_eval({ACC: 0.25}, step=0)
     assert not any(flat.update({ACC: a}, step=s).collapsed for s, a in ((10, 0.44), (20, 0.42), (30, 0.54)))
 
 
+def test_accuracy_rule_waits_for_min_steps_like_every_rule():
+    """An early dip (the student taking up the teacher's format, demo seed 42 at step 4) is not a verdict."""
+    det = CollapseDetector(CollapseConfig(min_steps=5))
+    det.observe_eval({ACC: 0.125})
+    assert not det.update({ACC: 0.02}, step=1).collapsed  # update 1 of the 5 min_steps
+    for s in (2, 3, 4):
+        det.update({}, step=s)
+    assert not det.update({ACC: 0.3}, step=5).collapsed and det.update({ACC: 0.1}, step=6).collapsed
+
+
 def test_accuracy_rule_respects_floor_threshold_and_off_switch():
-    low = CollapseDetector()
+    low = CollapseDetector(CollapseConfig(min_steps=0))
     low.observe_eval({ACC: 0.04})
     assert not low.update({ACC: 0.0}, step=1).collapsed  # best below accuracy_floor: noise, not a collapse
-    loose = CollapseDetector(CollapseConfig(accuracy_drop=0.9))
+    loose = CollapseDetector(CollapseConfig(accuracy_drop=0.9, min_steps=0))
     loose.observe_eval({ACC: 0.5})
     assert not loose.update({ACC: 0.1}, step=1).collapsed and loose.update({ACC: 0.04}, step=2).collapsed
-    off = CollapseDetector(CollapseConfig(accuracy_drop=None))
+    off = CollapseDetector(CollapseConfig(accuracy_drop=None, min_steps=0))
     off.observe_eval({ACC: 0.5})
     assert not off.update({ACC: 0.0}, step=1).collapsed
 
 
 def test_accuracy_best_survives_state_round_trip_and_old_states_load():
-    det = CollapseDetector()
+    det = CollapseDetector(CollapseConfig(min_steps=0))
     det.observe_eval({ACC: 0.6}, step=0)
     state = json.loads(json.dumps(det.state_dict()))
-    resumed = CollapseDetector()
+    resumed = CollapseDetector(CollapseConfig(min_steps=0))
     resumed.load_state_dict(state)
     assert resumed.update({ACC: 0.2}, step=5).collapsed
     del state["best_accuracy"]  # a checkpoint from before the accuracy rule
-    old = CollapseDetector()
+    old = CollapseDetector(CollapseConfig(min_steps=0))
     old.load_state_dict(state)
     assert not old.update({ACC: 0.2}, step=5).collapsed

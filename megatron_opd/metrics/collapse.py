@@ -23,7 +23,8 @@ The accuracy rule watches `accuracy_key` (the trainer's periodic held-out evalua
 whose answers degrade without growing (seen at CPU scale, docs/reproduction.md) trips none of the rollout
 rules. It compares each evaluation with the best earlier one (the initial student's included, fed through
 `observe_eval`) once that best is at least `accuracy_floor`; evaluations are sparse, so it needs neither
-windows nor patience nor `min_steps`.
+windows nor patience, but like every rule it waits for `min_steps`: early in a run a student often dips
+while it takes up the teacher's format, and recovers (seen in the demo at step 4 of 12).
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ class CollapseDetector:
                 reasons.append(f"{rule}: {why}")
 
         acc_why = self._accuracy(metrics, step)
-        if acc_why is not None:
+        if acc_why is not None and self._num_updates >= c.min_steps:
             reasons.append(acc_why)
         collapsed = bool(reasons)
         if collapsed and self._onset_step is None:
