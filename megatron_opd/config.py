@@ -213,7 +213,7 @@ class TrainConfig:
     # minibatch, no adv_normalize, no dropout (trainer/loop.py `_reuse_old_logp`); saves a student forward
     reuse_old_logp: bool = True
     seed: int = 42
-    eval_every: int = 0
+    eval_every: int = 0  # evaluate every N steps and after the last step (0: off)
     # with eval_every > 0: evaluate the initial student too, logged at step 0 (the starting point of every curve)
     eval_before_train: bool = True
     collapse_action: Literal["warn", "stop", "raise_beta_kl", "rollback"] = "warn"

@@ -164,8 +164,7 @@ def _tiny_models(root: Path) -> tuple[Path, Path]:
 def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Path, preset: str, steps: int,
                    tiny: bool, max_new_tokens: int = DEMO_SETTING[1]) -> list[str]:
     """The demo's setting (docs/reproduction.md: chosen because every preset learns in it within minutes).
-    Held-out greedy accuracy is measured at step 0 and at each third of a run of 6 or more steps, else at
-    its end."""
+    Held-out greedy accuracy is measured at step 0, at each third of a run of 6 or more steps and at its end."""
     return [
         f"algo.preset={preset}", f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
         f"data.train_path={data['train']}", f"data.eval_paths=[arith={data['eval']}]",
@@ -207,7 +206,8 @@ def compare_table(runs: list[Path]) -> str:
     """Markdown, one row per run: held-out accuracy at the start, its peak and at the end; response length,
     truncation and repetition rates at the first step, their maximum over the run and at the last step (a
     transient burst shows in the middle); the mean advantage on repetitive vs other tokens over the steps
-    that had repetitive tokens; and the first step the collapse detector flagged."""
+    that had repetitive tokens; and the first step the collapse detector flagged (a flagged step that a
+    rollback re-trained is gone from the log; `health/collapse_events` still counts it)."""
     from megatron_opd.trainer.logger import read_metrics
 
     def fmt(v: object) -> str:
@@ -219,9 +219,13 @@ def compare_table(runs: list[Path]) -> str:
     lines = [head]
     for run in runs:
         rows = read_metrics(run)
-        evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
+        evals = [(r["step"], r["eval/accuracy"]) for r in rows
+                 if isinstance(r.get("eval/accuracy"), (int, float)) and r["eval/accuracy"] == r["eval/accuracy"]]
         steps = [r for r in rows if "rollout/response_len_mean" in r]
         fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
+        events = max((r.get("health/collapse_events") or 0 for r in rows), default=0)
+        flagged = (f"step {fired[0]}" if fired else
+                   f"{int(events)} event(s), re-trained after a rollback" if events > 0 else "no")
 
         def span(k: str) -> str:
             vals = [r[k] for r in steps if isinstance(r.get(k), (int, float)) and r[k] == r[k]]
@@ -238,7 +242,7 @@ def compare_table(runs: list[Path]) -> str:
         adv = (f"{fmt(sum(a for a, _ in rep) / len(rep))} vs {fmt(sum(o for _, o in rep) / len(rep))} ({len(rep)})"
                if rep else "none")
         lines.append(f"| {run.name} | {acc} | {span('rollout/response_len_mean')} | {span('rollout/truncation_rate')} | "
-                     f"{span('rollout/repetition_rate')} | {adv} | {('step ' + str(fired[0])) if fired else 'no'} |")
+                     f"{span('rollout/repetition_rate')} | {adv} | {flagged} |")
     return "\n".join(lines) + "\n"
 
 

@@ -167,6 +167,7 @@ def test_reset_forgets_history_and_onset():
                                      ({"truncation_jump": math.nan}, "truncation_jump"),
                                      ({"baseline": "median"}, "baseline"), ({"min_steps": -1}, "min_steps"),
                                      ({"accuracy_drop": 0.0}, "accuracy_drop"), ({"accuracy_drop": 1.5}, "accuracy_drop"),
+                                     ({"accuracy_drop": 1.0}, "accuracy_drop"),
                                      ({"accuracy_floor": -0.1}, "accuracy_floor")])
 def test_config_validation(kw, name):
     with pytest.raises(ValueError, match=f"CollapseConfig.{name}"):
@@ -231,6 +232,34 @@ def test_accuracy_rule_respects_floor_threshold_and_off_switch():
     off = CollapseDetector(CollapseConfig(accuracy_drop=None, min_steps=0))
     off.observe_eval({ACC: 0.5})
     assert not off.update({ACC: 0.0}, step=1).collapsed
+
+
+def test_verdicts_name_the_newest_step_their_evidence_spares():
+    """good_step is where a rollback should return: before the windows of a rollout rule, at the best
+    evaluation for the accuracy rule (an evaluation 50 steps apart covers more than any window)."""
+    acc = CollapseDetector(CollapseConfig(min_steps=0))
+    acc.observe_eval({ACC: 0.1}, step=0)
+    assert acc.update({ACC: 0.4}, step=50).good_step is None
+    v = acc.update({ACC: 0.1}, step=100)
+    assert v.collapsed and v.good_step == 50
+    win = CollapseDetector(CollapseConfig(window=2, baseline_window=2, patience=2, min_steps=0,
+                                          truncation_jump=0.3, truncation_ratio=None, length_ratio=None,
+                                          repetition_jump=None))
+    verdicts = [win.update({TR: t}, step=s) for s, t in enumerate([0.0, 0.0, 0.9, 0.9, 0.9], start=1)]
+    assert [v.collapsed for v in verdicts] == [False, False, False, False, True]
+    assert verdicts[4].good_step == 5 - 2 - 2 + 1  # the windows of steps 4 and 5 reach back to step 3
+
+
+def test_reset_after_an_action_can_keep_the_best_accuracy():
+    """After raise_beta_kl or a rollback the trainer keeps the best accuracy: judged against a fresh baseline,
+    a run that went on degrading (0.5 -> 0.2 -> 0.04 -> 0.0) would never be flagged again (its first
+    evaluation after the action, below accuracy_floor, would become the reference)."""
+    for keep, flagged in ((True, [True, True]), (False, [False, False])):
+        det = CollapseDetector(CollapseConfig(min_steps=0))
+        det.observe_eval({ACC: 0.5}, step=0)
+        assert det.update({ACC: 0.2}, step=10).collapsed
+        det.reset(keep_best_accuracy=keep)
+        assert [det.update({ACC: a}, step=s).collapsed for s, a in ((20, 0.04), (30, 0.0))] == flagged
 
 
 def test_accuracy_best_survives_state_round_trip_and_old_states_load():

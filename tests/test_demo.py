@@ -92,3 +92,17 @@ def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> N
     assert "step 3" in opd_row and stable_row.rstrip(" |").endswith("no")
     assert "0.3 -> 0.3 (0) -> 0.1" in opd_row and "10 / 40 / 40" in opd_row and "2 vs 0.5 (4)" in opd_row
     assert plot_runs(runs, tmp_path / "fig.png").stat().st_size > 1000
+
+
+def test_compare_table_counts_a_collapse_whose_step_a_rollback_re_trained(tmp_path: Path) -> None:
+    """After a rollback the re-trained step's row replaces the flagged one; the event count still shows it.
+    A NaN evaluation (a foreign log) is not taken for the peak."""
+    d = tmp_path / "opd"
+    d.mkdir()
+    rows = [{"step": 0, "eval/accuracy": float("nan")}, {"step": 1, "eval/accuracy": 0.4},
+            {"step": 2, "rollout/response_len_mean": 9.0, "health/collapsed": 1.0, "health/collapse_events": 1.0},
+            {"step": 2, "rollout/response_len_mean": 8.0, "health/collapsed": 0.0, "health/collapse_events": 1.0,
+             "eval/accuracy": 0.2}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = demo.compare_table([d]).splitlines()[-1]
+    assert "1 event(s), re-trained after a rollback" in row and "0.4 -> 0.4 (1) -> 0.2" in row

@@ -289,3 +289,67 @@ def test_accuracy_drop_is_judged_from_the_trainers_evaluations(setup, tmp_path: 
     rows = {r["step"]: r for r in _raw_rows(out)}
     assert rows[0]["eval/accuracy"] == 0.5 and "health/collapsed" not in rows[0]
     assert [rows[s]["health/collapsed"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]  # 0.2 < half of the step-0 0.5
+
+
+def test_the_last_step_is_evaluated_when_eval_every_does_not_divide_steps(setup, tmp_path: Path) -> None:
+    """3 steps at eval_every=2: evaluations at 0 (initial), 2 (periodic) and 3 (the end of the run), so a run's
+    final accuracy is always measured (`megatron-opd demo --steps 10` evaluates at 3, 6, 9 and 10)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    seen = []
+
+    class Recording(Trainer):
+        def evaluate(self) -> dict[str, float]:
+            seen.append(self.step)
+            return {"eval/accuracy": 0.5}
+
+    out = tmp_path / "last"
+    _run(_trainer(setup, out, "warn", 3, "train.eval_every=2", cls=Recording))
+    assert seen == [0, 2, 3]
+    assert [r["step"] for r in _raw_rows(out) if "eval/accuracy" in r] == [0, 2, 3]
+
+
+def test_raise_beta_kl_keeps_judging_accuracy_against_the_best(setup, tmp_path: Path) -> None:
+    """Flagged at step 2 (0.2 < half of 0.5), beta_kl raised; the accuracy keeps falling (0.1 at step 3) and is
+    flagged again -- the action does not reset the reference to its own degraded evaluation."""
+    from megatron_opd.trainer.loop import Trainer
+
+    script = iter([0.5, 0.45, 0.2, 0.1])
+
+    class Scripted(Trainer):
+        def evaluate(self) -> dict[str, float]:
+            return {"eval/accuracy": next(script)}
+
+    out = tmp_path / "beta"
+    t = _run(_trainer(setup, out, "raise_beta_kl", 3, "train.eval_every=1", "train.collapse.length_ratio=null",
+                      "train.collapse.min_steps=0", cls=Scripted))
+    rows = {r["step"]: r for r in _raw_rows(out)}
+    assert [rows[s]["health/collapsed"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert t.beta_kl >= 0.02  # raised twice from the opd preset's 0
+
+
+def test_rollback_after_an_accuracy_collapse_returns_to_the_best_evaluation(setup, tmp_path: Path) -> None:
+    """The accuracy rule's evidence reaches back to the best evaluation (step 1 here), further than the rollout
+    rules' window: the rollback restores step 1's checkpoint, not step 2's (which the old window rule chose)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    script = iter([0.1, 0.5, 0.4, 0.2, 0.5, 0.5, 0.5])
+
+    class Scripted(Trainer):
+        def evaluate(self) -> dict[str, float]:
+            return {"eval/accuracy": next(script)}
+
+    out = tmp_path / "rb"
+    t = Scripted(load_config(None, _overrides(setup, out, "rollback", 4, "train.eval_every=1",
+                                              "train.collapse.length_ratio=null", "train.collapse.min_steps=0",
+                                              "checkpoint.keep_last=5")))
+    targets = []
+    real = t._rollback
+
+    def spy(target: int) -> None:
+        targets.append((t.step, target))
+        real(target)
+
+    t._rollback = spy
+    _run(t)
+    assert targets == [(3, 1)]  # flagged at step 3 (0.2 < half of step 1's 0.5)

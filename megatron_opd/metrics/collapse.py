@@ -63,8 +63,9 @@ class CollapseConfig:
             raise ValueError(f"CollapseConfig.min_steps: must be >= 0, got {self.min_steps}")
         if self.baseline not in ("initial", "trailing"):
             raise ValueError(f"CollapseConfig.baseline: must be 'initial' or 'trailing', got {self.baseline!r}")
-        if self.accuracy_drop is not None and not (math.isfinite(self.accuracy_drop) and 0 < self.accuracy_drop <= 1):
-            raise ValueError(f"CollapseConfig.accuracy_drop: a fraction in (0, 1] or None, got {self.accuracy_drop}")
+        if self.accuracy_drop is not None and not (math.isfinite(self.accuracy_drop) and 0 < self.accuracy_drop < 1):
+            # 1 would mean "below 0 x the best": a rule that can never fire
+            raise ValueError(f"CollapseConfig.accuracy_drop: a fraction in (0, 1) or None, got {self.accuracy_drop}")
         for name in ("truncation_jump", "truncation_ratio", "length_ratio", "repetition_jump", "rate_floor",
                      "accuracy_floor"):
             v = getattr(self, name)
@@ -79,13 +80,16 @@ class CollapseConfig:
 @dataclass
 class CollapseVerdict:
     """collapsed: a rule held for `patience` updates at this step. onset_step: the first step ever flagged
-    (sticky until `reset`). stats: window means used, e.g. 'rollout/truncation_rate/current'."""
+    (sticky until `reset`). stats: window means used, e.g. 'rollout/truncation_rate/current'.
+    good_step (when collapsed): the newest step the rules that fired do not implicate -- before the windows
+    of the rollout rules, at the best evaluation for the accuracy rule; where a rollback should return."""
 
     collapsed: bool
     reasons: list[str]
     step: int
     onset_step: Optional[int] = None
     stats: dict[str, float] = field(default_factory=dict)
+    good_step: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,9 +108,12 @@ class CollapseDetector:
 
     # -- state --------------------------------------------------------------------------------
 
-    def reset(self) -> None:
-        """Forget the history (e.g. after a rollback, so the restored run is judged afresh)."""
+    def reset(self, keep_best_accuracy: bool = False) -> None:
+        """Forget the history (e.g. after a rollback, so the restored run is judged afresh). With
+        `keep_best_accuracy` the best held-out accuracy stays the accuracy rule's reference: after a collapse
+        action the run must get back near its best, not merely above its first evaluation after the action."""
         c = self.config
+        best = getattr(self, "_best_acc", None) if keep_best_accuracy else None
         self._num_updates = 0
         self._last_step: Optional[int] = None
         self._onset_step: Optional[int] = None
@@ -115,7 +122,7 @@ class CollapseDetector:
         self._counts: dict[str, int] = {}
         self._recent: dict[str, deque[float]] = {}
         self._recent_len = c.window + (c.baseline_window if c.baseline == "trailing" else 0)
-        self._best_acc: Optional[tuple[float, int]] = None  # (best held-out accuracy so far, its step)
+        self._best_acc: Optional[tuple[float, int]] = best  # (best held-out accuracy so far, its step)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable state."""
@@ -230,6 +237,7 @@ class CollapseDetector:
             self._record(key, metrics.get(key))
 
         reasons: list[str] = []
+        good: list[int] = []
         stats: dict[str, float] = {}
         for rule, key, thr in self._rules():
             w = self._windows(key)
@@ -249,14 +257,17 @@ class CollapseDetector:
             self._streak[rule] = self._streak.get(rule, 0) + 1 if hit else 0
             if hit and self._streak[rule] >= c.patience and self._num_updates >= c.min_steps:
                 reasons.append(f"{rule}: {why}")
+                good.append(step - c.window - c.patience + 1)
 
+        best_before = self._best_acc
         acc_why = self._accuracy(metrics, step)
         if acc_why is not None and self._num_updates >= c.min_steps:
             reasons.append(acc_why)
+            good.append(best_before[1])
         collapsed = bool(reasons)
         if collapsed and self._onset_step is None:
             self._onset_step = step
-        return CollapseVerdict(collapsed, reasons, step, self._onset_step, stats)
+        return CollapseVerdict(collapsed, reasons, step, self._onset_step, stats, min(good) if good else None)
 
 
 __all__ = ["CollapseConfig", "CollapseDetector", "CollapseVerdict"]

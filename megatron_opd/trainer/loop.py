@@ -804,15 +804,15 @@ class Trainer:
         """Judge this step: sets metrics['health/collapsed'] and 'health/collapse_events' and returns
         train.collapse_action when a collapse is detected (applied by `_apply_collapse_action`), else None."""
         verdict = self.detector.update(metrics, step=self.step) if self.rank == 0 else None
-        flag, reasons = _broadcast((bool(verdict.collapsed), "; ".join(verdict.reasons)) if verdict is not None
-                                   else (False, ""))
+        flag, reasons, good = _broadcast((bool(verdict.collapsed), "; ".join(verdict.reasons), verdict.good_step)
+                                         if verdict is not None else (False, "", None))
         metrics["health/collapsed"] = float(flag)
         if flag:
             self.collapse_events += 1
         metrics["health/collapse_events"] = float(self.collapse_events)
         if not flag:
             return None
-        self._collapse_reasons = reasons
+        self._collapse_reasons, self._collapse_good_step = reasons, good
         action = self.cfg.train.collapse_action
         if self.rank == 0:
             logger.warning("step %d: collapse detected (%s); action=%s", self.step, reasons, action)
@@ -840,16 +840,19 @@ class Trainer:
                 logger.warning("step %d: no checkpoint to roll back to; raising beta_kl instead", self.step)
         self.beta_kl = max(2 * self.beta_kl, 0.01)
         self._ensure_ref()
-        self.detector.reset()
+        self.detector.reset(keep_best_accuracy=True)
         if self.rank == 0:
             logger.warning("step %d: beta_kl raised to %g", self.step, self.beta_kl)
         return False
 
     def _rollback_target(self) -> Optional[int]:
-        """The newest complete checkpoint from before the detector's evidence, else the oldest kept one."""
+        """The newest complete checkpoint from before the detector's evidence (the verdict's good_step: before
+        the rollout rules' windows, at the best evaluation for the accuracy rule), else the oldest kept one."""
         c = self.cfg.train.collapse
+        good = getattr(self, "_collapse_good_step", None)
+        good = self.step - c.window - c.patience + 1 if good is None else good
         steps = [s for s in self.ckpt.steps() if s < self.step] if self.rank == 0 else []
-        before = [s for s in steps if s <= self.step - c.window - c.patience + 1]
+        before = [s for s in steps if s <= good]
         return _broadcast(before[-1] if before else (steps[0] if steps else None))
 
     def _rollback(self, target: int) -> None:
@@ -859,7 +862,7 @@ class Trainer:
         self.student.load_state_dict(state["policy"])
         self.step, self.skipped_steps = int(state["step"]), int(state["skipped_steps"])
         self.beta_kl = max(2 * max(beta_at_collapse, float(state["beta_kl"])), 0.01)
-        self.detector.reset()
+        self.detector.reset(keep_best_accuracy=True)
         self._ensure_ref()
         self._push_restored_weights(int(state["weight_version"]))
         dropped = [s for s in self.ckpt.steps() if s > self.step] if self.rank == 0 else []
@@ -902,7 +905,7 @@ class Trainer:
                 if metrics.get("loss/update_skipped", 0.0) > 0:
                     self.skipped_steps += 1
                 metrics["train/skipped_steps"] = float(self.skipped_steps)
-                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == cfg.train.steps):
                     metrics.update(self.evaluate())
                 action = self._handle_collapse(metrics)
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps:
