@@ -519,14 +519,12 @@ def validate(cfg: Config) -> None:
     need(cfg.teacher.top_k >= 0, "teacher.top_k", "must be >= 0")
     need(cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size", "must be >= 1")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
-    try:
-        dataclasses.replace(t.collapse)  # re-runs CollapseConfig's checks on the loaded values
-    except ValueError as e:
-        raise ConfigError(str(e).replace("CollapseConfig.", "train.collapse.", 1)) from None
-    try:
-        dataclasses.replace(t.health)
-    except ValueError as e:
-        raise ConfigError(str(e).replace("HealthConfig.", "train.health.", 1)) from None
+    for section in ("collapse", "health"):
+        sub = getattr(t, section)
+        try:
+            dataclasses.replace(sub)  # re-runs the section's own checks on the loaded values
+        except ValueError as e:
+            raise ConfigError(str(e).replace(f"{type(sub).__name__}.", f"train.{section}.", 1)) from None
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
     if r.backend == "sglang" and r.colocate and r.server_url is not None:
         host = urlparse(r.server_url).hostname

@@ -210,8 +210,11 @@ def compare_table(runs: list[Path]) -> str:
     rollback re-trained is gone from the log; `health/collapse_events` still counts it)."""
     from megatron_opd.trainer.logger import read_metrics
 
+    def num(v: object) -> bool:
+        return isinstance(v, (int, float)) and v == v  # a number, not NaN
+
     def fmt(v: object) -> str:
-        return "-" if not isinstance(v, (int, float)) or v != v else f"{v:.3g}"
+        return f"{v:.3g}" if num(v) else "-"
 
     head = ("| preset | accuracy start -> peak (step) -> end | response len first / max / last | truncation "
             "first / max / last | repetition first / max / last | adv repetitive vs other (steps with "
@@ -219,8 +222,7 @@ def compare_table(runs: list[Path]) -> str:
     lines = [head]
     for run in runs:
         rows = read_metrics(run)
-        evals = [(r["step"], r["eval/accuracy"]) for r in rows
-                 if isinstance(r.get("eval/accuracy"), (int, float)) and r["eval/accuracy"] == r["eval/accuracy"]]
+        evals = [(r["step"], r["eval/accuracy"]) for r in rows if num(r.get("eval/accuracy"))]
         steps = [r for r in rows if "rollout/response_len_mean" in r]
         fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
         events = max((r.get("health/collapse_events") or 0 for r in rows), default=0)
@@ -228,7 +230,7 @@ def compare_table(runs: list[Path]) -> str:
                    f"{int(events)} event(s), re-trained after a rollback" if events > 0 else "no")
 
         def span(k: str) -> str:
-            vals = [r[k] for r in steps if isinstance(r.get(k), (int, float)) and r[k] == r[k]]
+            vals = [r[k] for r in steps if num(r.get(k))]
             return f"{fmt(vals[0])} / {fmt(max(vals))} / {fmt(vals[-1])}" if vals else "-"
 
         if evals:
@@ -237,8 +239,7 @@ def compare_table(runs: list[Path]) -> str:
         else:
             acc = "-"
         rep = [(r["adv/repetitive_mean"], r["adv/other_mean"]) for r in steps
-               if isinstance(r.get("adv/repetitive_mean"), (int, float)) and r["adv/repetitive_mean"] == r["adv/repetitive_mean"]
-               and isinstance(r.get("adv/other_mean"), (int, float))]
+               if num(r.get("adv/repetitive_mean")) and isinstance(r.get("adv/other_mean"), (int, float))]
         adv = (f"{fmt(sum(a for a, _ in rep) / len(rep))} vs {fmt(sum(o for _, o in rep) / len(rep))} ({len(rep)})"
                if rep else "none")
         lines.append(f"| {run.name} | {acc} | {span('rollout/response_len_mean')} | {span('rollout/truncation_rate')} | "

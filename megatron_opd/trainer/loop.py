@@ -848,11 +848,8 @@ class Trainer:
     def _rollback_target(self) -> Optional[int]:
         """The newest complete checkpoint from before the detector's evidence (the verdict's good_step: before
         the rollout rules' windows, at the best evaluation for the accuracy rule), else the oldest kept one."""
-        c = self.cfg.train.collapse
-        good = getattr(self, "_collapse_good_step", None)
-        good = self.step - c.window - c.patience + 1 if good is None else good
         steps = [s for s in self.ckpt.steps() if s < self.step] if self.rank == 0 else []
-        before = [s for s in steps if s <= good]
+        before = [s for s in steps if s <= self._collapse_good_step]
         return _broadcast(before[-1] if before else (steps[0] if steps else None))
 
     def _rollback(self, target: int) -> None:
