@@ -65,6 +65,20 @@ def _raw_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _scripted_evals(*accuracies: float):
+    """A Trainer whose `evaluate` returns these held-out accuracies in turn (the tiny random models score 0 on
+    anything; the real evaluation path is covered by tests/test_demo.py and tests/test_eval_cli.py)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    script = iter(accuracies)
+
+    class Scripted(Trainer):
+        def evaluate(self) -> dict[str, float]:
+            return {"eval/accuracy": next(script)}
+
+    return Scripted
+
+
 def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(out / "checkpoints" / f"step_{step:08d}" / "rank0.pt", weights_only=True)["policy"]["model"]
 
@@ -273,19 +287,10 @@ def test_health_thresholds_from_the_config_reach_the_logged_metrics(setup, tmp_p
 
 
 def test_accuracy_drop_is_judged_from_the_trainers_evaluations(setup, tmp_path: Path) -> None:
-    """The step-0 evaluation is the accuracy rule's first baseline and each periodic evaluation is judged.
-    `evaluate` is scripted here (the tiny random models score 0 on anything; the real evaluation path is
-    covered by tests/test_demo.py and tests/test_eval_cli.py)."""
-    from megatron_opd.trainer.loop import Trainer
-
-    script = iter([0.5, 0.45, 0.3, 0.2])
-
-    class Scripted(Trainer):
-        def evaluate(self) -> dict[str, float]:
-            return {"eval/accuracy": next(script)}
-
+    """The step-0 evaluation is the accuracy rule's first baseline and each periodic evaluation is judged."""
     out = tmp_path / "acc"
-    _run(_trainer(setup, out, "warn", 3, "train.eval_every=1", "train.collapse.length_ratio=null", cls=Scripted))
+    _run(_trainer(setup, out, "warn", 3, "train.eval_every=1", "train.collapse.length_ratio=null",
+                  cls=_scripted_evals(0.5, 0.45, 0.3, 0.2)))
     rows = {r["step"]: r for r in _raw_rows(out)}
     assert rows[0]["eval/accuracy"] == 0.5 and "health/collapsed" not in rows[0]
     assert [rows[s]["health/collapsed"] for s in (1, 2, 3)] == [0.0, 0.0, 1.0]  # 0.2 < half of the step-0 0.5
@@ -312,17 +317,9 @@ def test_the_last_step_is_evaluated_when_eval_every_does_not_divide_steps(setup,
 def test_raise_beta_kl_keeps_judging_accuracy_against_the_best(setup, tmp_path: Path) -> None:
     """Flagged at step 2 (0.2 < half of 0.5), beta_kl raised; the accuracy keeps falling (0.1 at step 3) and is
     flagged again -- the action does not reset the reference to its own degraded evaluation."""
-    from megatron_opd.trainer.loop import Trainer
-
-    script = iter([0.5, 0.45, 0.2, 0.1])
-
-    class Scripted(Trainer):
-        def evaluate(self) -> dict[str, float]:
-            return {"eval/accuracy": next(script)}
-
     out = tmp_path / "beta"
     t = _run(_trainer(setup, out, "raise_beta_kl", 3, "train.eval_every=1", "train.collapse.length_ratio=null",
-                      "train.collapse.min_steps=0", cls=Scripted))
+                      "train.collapse.min_steps=0", cls=_scripted_evals(0.5, 0.45, 0.2, 0.1)))
     rows = {r["step"]: r for r in _raw_rows(out)}
     assert [rows[s]["health/collapsed"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert t.beta_kl >= 0.02  # raised twice from the opd preset's 0
@@ -331,18 +328,10 @@ def test_raise_beta_kl_keeps_judging_accuracy_against_the_best(setup, tmp_path: 
 def test_rollback_after_an_accuracy_collapse_returns_to_the_best_evaluation(setup, tmp_path: Path) -> None:
     """The accuracy rule's evidence reaches back to the best evaluation (step 1 here), further than the rollout
     rules' window: the rollback restores step 1's checkpoint, not step 2's (which the old window rule chose)."""
-    from megatron_opd.trainer.loop import Trainer
-
-    script = iter([0.1, 0.5, 0.4, 0.2, 0.5, 0.5, 0.5])
-
-    class Scripted(Trainer):
-        def evaluate(self) -> dict[str, float]:
-            return {"eval/accuracy": next(script)}
-
     out = tmp_path / "rb"
-    t = Scripted(load_config(None, _overrides(setup, out, "rollback", 4, "train.eval_every=1",
-                                              "train.collapse.length_ratio=null", "train.collapse.min_steps=0",
-                                              "checkpoint.keep_last=5")))
+    t = _trainer(setup, out, "rollback", 4, "train.eval_every=1", "train.collapse.length_ratio=null",
+                 "train.collapse.min_steps=0", "checkpoint.keep_last=5",
+                 cls=_scripted_evals(0.1, 0.5, 0.4, 0.2, 0.5, 0.5, 0.5))
     targets = []
     real = t._rollback
 
