@@ -222,6 +222,39 @@ def test_update_weights_errors_and_partial_state():
     eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
 
 
+def test_share_weights_decodes_from_the_given_storage():
+    """share_weights: the engine's parameters become the given tensors (no copy), so an in-place change
+    of the source is what the engine decodes with; update_weights onto a shared tensor copies nothing;
+    bad tensors are refused before anything is shared."""
+    src_model = make_tiny_hf_model("qwen2", seed=5)
+    eng = LocalEngine(make_tiny_hf_model("qwen2", seed=6), eos_token_ids=[2])
+    src = dict(src_model.state_dict())
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match="unknown parameter name"):
+        eng.share_weights([("model.bogus", torch.zeros(1))])
+    with pytest.raises(ValueError, match=f"{name}: .*float64"):
+        eng.share_weights([(name, src[name].double())])
+    with pytest.raises(ValueError, match=f"{name}: not contiguous"):
+        eng.share_weights([(name, src[name].t().contiguous().t())])
+    with pytest.raises(ValueError, match=f"{name}: contains NaN"):
+        eng.share_weights([(name, torch.full_like(src[name], float("nan")))])
+    assert all(p.data_ptr() != src[n].data_ptr() for n, p in eng._params.items() if n in src)  # nothing shared yet
+
+    shared = eng.share_weights(src.items())
+    assert shared == sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in src.values()}.values())
+    assert all(eng._params[n].data_ptr() == t.data_ptr() for n, t in src.items())
+    assert eng.share_weights(src.items()) == 0  # already shared
+    sp = SamplingParams(max_new_tokens=8, n=2, seed=1)
+    reference = LocalEngine(src_model, eos_token_ids=[2])
+    assert [s.logprobs for s in eng.generate(PROMPTS, sp)] == [s.logprobs for s in reference.generate(PROMPTS, sp)]
+
+    with torch.no_grad():
+        src[name].mul_(3.0)  # the "optimizer step" happens in the source's storage
+    assert [s.logprobs for s in eng.generate(PROMPTS, sp)] == [s.logprobs for s in reference.generate(PROMPTS, sp)]
+    eng.update_weights(src.items(), version=1)
+    assert eng.weight_version == 1 and eng._params[name].data_ptr() == src[name].data_ptr()
+
+
 def test_tied_embeddings_counted_once():
     model = make_tiny_hf_model("qwen2", seed=4, tie_word_embeddings=True)
     eng = LocalEngine(model, eos_token_ids=[2])

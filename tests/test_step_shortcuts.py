@@ -266,6 +266,7 @@ def test_bf16_rollout_engine_beside_an_fp32_student(setup, tmp_path):
     try:
         assert trainer.student.dtype == torch.float32
         assert {p.dtype for p in trainer.engine.model.parameters()} == {torch.bfloat16}
+        assert trainer.engine_shared_bytes == 0  # another dtype: the engine keeps its own bf16 copy
         m = trainer.train_step()
         assert math.isfinite(m["loss/total_loss"]) and m.get("loss/update_skipped", 0.0) == 0.0
         assert 0 < m["rollout/engine_trainer_logp_absdiff"] < 0.05
@@ -297,3 +298,39 @@ def test_one_rank_skips_the_identity_param_gather_and_still_trains(setup, tmp_pa
         assert engine and all(torch.equal(engine[n], after[n]) for n in engine)
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_local_engine_shares_the_students_weights(setup, tmp_path, overlap):
+    """TP=PP=1, same dtype: the local engine decodes from the student's own parameter storage (every
+    tensor but q/k/v), holds exactly the student's weights after each step's sync, and generates what an
+    engine with its own copy generates. With rollout.overlap (generation during the update) nothing is shared."""
+    from megatron_opd.rollout.base import SamplingParams
+    from megatron_opd.rollout.local import LocalEngine
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(setup, tmp_path / "run", f"rollout.overlap={str(overlap).lower()}"))
+    try:
+        engine = trainer.engine
+        storages = {p.untyped_storage().data_ptr() for p in trainer.student.model.parameters()}
+        on_student = {n for n, p in engine.named_hf_weights() if p.untyped_storage().data_ptr() in storages}
+        if overlap:
+            assert trainer.engine_shared_bytes == 0 and not on_student
+        else:
+            assert trainer.engine_shared_bytes > 0
+            assert {n for n, _ in engine.named_hf_weights()} - on_student == {
+                n for n, _ in engine.named_hf_weights() if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                                      "q_proj.bias", "k_proj.bias", "v_proj.bias"))}
+        for _ in range(2):
+            m = trainer.train_step()
+            assert m.get("loss/update_skipped", 0.0) == 0.0
+            student = {n: w.clone() for n, w in trainer.student.iter_hf_weights()}
+            for n, w in engine.named_hf_weights():
+                assert torch.equal(w, student[n]), n
+        own = LocalEngine.from_pretrained(setup[1], eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+        own.update_weights(student.items(), version=1)
+        sp, prompts = SamplingParams(max_new_tokens=8, seed=3), [[5, 6, 7], [9, 10]]
+        assert [s.logprobs for s in engine.generate(prompts, sp)] == [s.logprobs for s in own.generate(prompts, sp)]
+    finally:
+        trainer.close()
+

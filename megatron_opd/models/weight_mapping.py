@@ -294,7 +294,13 @@ def _fc1_shard(gate: torch.Tensor, up: torch.Tensor, tp_rank: int, tp_size: int)
 
 def _fc1_to_hf(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     halves = [s.chunk(2, dim=0) for s in shards]
-    return torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)
+    return _cat([g for g, _ in halves], 0), _cat([u for _, u in halves], 0)
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that one part is returned as it is: at TP=1 the live-model export then yields
+    views of the model's own parameters, which an in-process engine can share (`LocalEngine.share_weights`)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 # --------------------------------------------------------------------------------------- HF -> megatron
@@ -455,12 +461,12 @@ def _layer_to_hf(shards, replicated, hn: dict[str, str], mn: dict[str, str], d: 
     out[hn["q"]], out[hn["k"]], out[hn["v"]] = _qkv_to_hf(torch.cat(shards(mn["qkv"]), 0), d)
     if d.qkv_bias:
         out[hn["q_bias"]], out[hn["k_bias"]], out[hn["v_bias"]] = _qkv_to_hf(torch.cat(shards(mn["qkv_bias"]), 0), d)
-    out[hn["o"]] = torch.cat(shards(mn["proj"]), 1)
+    out[hn["o"]] = _cat(shards(mn["proj"]), 1)
     if d.qk_norm:
         out[hn["q_norm"]], out[hn["k_norm"]] = replicated(mn["q_norm"]), replicated(mn["k_norm"])
     out[hn["post_norm"]] = replicated(mn["post_norm"])
     out[hn["gate"]], out[hn["up"]] = _fc1_to_hf(shards(mn["fc1"]))
-    out[hn["down"]] = torch.cat(shards(mn["fc2"]), 1)
+    out[hn["down"]] = _cat(shards(mn["fc2"]), 1)
 
 
 # ---------------------------------------------------------------------------------- live model helpers
@@ -497,6 +503,9 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None
     megatron's parallel_state groups; `None` sizes of 1 work without torch.distributed. Tensors are
     yielded one HF name at a time (layer by layer), so peak extra memory is one layer; feed the
     generator to `bucket_hf_weights` to batch sends. `dtype` casts the yielded tensors.
+    At TP=PP=1 without a cast, every tensor except q/k/v (and their biases) is a view of the model's
+    own parameter storage, not a copy: a consumer that keeps tensors beyond the current layer or
+    writes them out must copy them (`write_safetensors_shards` does).
     """
     import torch.distributed as dist
 
@@ -546,7 +555,7 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None
         return name, (t if dtype is None else t.to(dtype))
 
     shapes0 = stage_shapes(0)
-    yield emit(HF_EMBED, torch.cat(gather(MG_EMBED, 0, shapes0[MG_EMBED]), 0)[: d.vocab_size])
+    yield emit(HF_EMBED, _cat(gather(MG_EMBED, 0, shapes0[MG_EMBED]), 0)[: d.vocab_size])
     per_stage = d.num_layers // pp_size
     for stage in range(pp_size):
         sh = stage_shapes(stage)
@@ -560,7 +569,7 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None
     last_sh = stage_shapes(pp_size - 1)
     yield emit(HF_NORM, gather(MG_NORM, pp_size - 1, last_sh[MG_NORM], False)[0])
     if not d.tied:
-        yield emit(HF_LM_HEAD, torch.cat(gather(MG_OUTPUT, pp_size - 1, last_sh[MG_OUTPUT]), 0)[: d.vocab_size])
+        yield emit(HF_LM_HEAD, _cat(gather(MG_OUTPUT, pp_size - 1, last_sh[MG_OUTPUT]), 0)[: d.vocab_size])
 
 
 def _hf_layer_order(hn: dict[str, str], d: ModelDims) -> list[str]:

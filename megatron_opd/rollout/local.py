@@ -244,7 +244,8 @@ class LocalEngine:
                 self._fail(f"{name}: contains NaN/inf")
         for name, t in bucket:
             dst = self._params[name]
-            dst.copy_(t)
+            if dst.data_ptr() != t.data_ptr():  # equal: a tensor shared with the trainer (share_weights)
+                dst.copy_(t)
             self._pending_covered.add(id(dst))
         if last_bucket:
             missing = [n for n, p in self._params.items()
@@ -254,6 +255,38 @@ class LocalEngine:
                            f"e.g. {missing[:5]}")
             self.weight_version = version
             self._pending_version, self._pending_covered, self._dirty = None, set(), None
+
+    @torch.no_grad()
+    def share_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Use the given HF-named tensors as this engine's parameters instead of copying them; returns the
+        bytes of engine memory that became shared.
+
+        For an in-process trainer whose live-model export yields views of its own parameters
+        (`iter_hf_weights` at TP=PP=1): the engine then holds no second copy of those weights and sees
+        every optimizer step as it happens; `update_weights` still brings the tensors that are not
+        shared (q/k/v, which megatron stores fused) and its copy onto a shared tensor is a no-op.
+        Only sound when nothing generates while the trainer updates its weights (no rollout overlap).
+        Tensors are checked like `update_weights` (name, shape, finite) plus dtype, device and
+        contiguity; a mismatch raises before anything is shared. The weight version is unchanged."""
+        bucket = list(named_tensors)
+        for name, t in bucket:
+            dst = self._params.get(name)
+            if dst is None:
+                raise ValueError(f"share_weights: unknown parameter name {name!r} (model has e.g. {list(self._params)[:3]})")
+            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype or dst.device != t.device:
+                raise ValueError(f"share_weights: {name}: {tuple(t.shape)} {t.dtype} on {t.device} != engine "
+                                 f"{tuple(dst.shape)} {dst.dtype} on {dst.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"share_weights: {name}: not contiguous (decode would copy it every step)")
+            if self.check_finite_weights and t.is_floating_point() and not _all_finite(t):
+                raise ValueError(f"share_weights: {name}: contains NaN/inf")
+        shared = 0
+        for name, t in bucket:
+            dst = self._params[name]
+            if dst.data_ptr() != t.data_ptr():
+                dst.data = t.detach()
+                shared += t.numel() * t.element_size()
+        return shared
 
     def _fail(self, msg: str) -> None:
         if self._pending_covered:  # earlier buckets were applied: the weights are now mixed

@@ -160,6 +160,7 @@ class Trainer:
         self.collapse_events = 0
         self.rollbacks = 0
         self.engine = self._build_engine() if self.rank == 0 else None
+        self._share_engine_weights()
         self.weight_version = 0
         self.step = 0
         self.skipped_steps = 0
@@ -366,6 +367,27 @@ class Trainer:
                                    log_path=str(self.out_dir / "logs" / "sglang_rollout.log"),
                                    dtype=self.student.dtype if self.cfg.rollout.dtype == "auto"
                                    else resolve_dtype(self.cfg.rollout.dtype))
+
+    def _share_engine_weights(self) -> None:
+        """A local engine beside a TP=PP=1 student of its dtype decodes from the student's own parameter
+        storage (`LocalEngine.share_weights`) rather than a second copy of the weights; only q/k/v, which
+        megatron stores fused, are still copied at each sync. Not with rollout.overlap: that generates while
+        the optimizer updates the weights."""
+        from megatron_opd.rollout.local import LocalEngine
+
+        self.engine_shared_bytes = 0
+        p = self.cfg.parallel
+        if (not isinstance(self.engine, LocalEngine) or self.cfg.rollout.overlap
+                or p.tensor_model_parallel_size * p.pipeline_model_parallel_size != 1):
+            return
+        engine_dtype = next(self.engine.model.parameters()).dtype
+        storages = {q.untyped_storage().data_ptr() for q in self.student.model.parameters()}
+        views = [(n, t) for n, t in self.student.iter_hf_weights()
+                 if t.dtype == engine_dtype and t.untyped_storage().data_ptr() in storages]
+        shared = self.engine.share_weights(views)
+        if shared:
+            logger.info("rollout engine shares %.0f MB of weights with the student (no second copy)", shared / 2**20)
+        self.engine_shared_bytes = shared
 
     def _load_eval_sets(self) -> dict[str, Any]:
         from megatron_opd.eval.benchmarks import load_benchmark

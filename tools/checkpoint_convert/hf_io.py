@@ -118,7 +118,7 @@ def write_safetensors_shards(weights: Iterable[tuple[str, torch.Tensor]], out_di
     parts: list[tuple[str, list[str]]] = []
     total = 0
     for i, bucket in enumerate(bucket_hf_weights(weights, max_shard_bytes)):
-        tensors = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+        tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in bucket}  # own storage: safetensors refuses shared views
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         name = f".part-{i:05d}.safetensors"
         save_file(tensors, str(out / name), metadata={"format": "pt"})
