@@ -178,3 +178,39 @@ def test_nonfinite_logits_raise_or_return_nan() -> None:
         vocab_parallel_token_logprobs(logits, target)
     out = vocab_parallel_token_logprobs(logits, target, on_nonfinite="return")
     assert torch.isnan(out[1, 2]) and torch.isfinite(out[0]).all() and torch.isfinite(out[1, :2]).all()
+
+
+class _BigAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts op outputs of at least `numel` elements that own fresh storage (views excluded)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.numel() >= self.numel
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.count += 1
+        return out
+
+
+def test_fp32_logprobs_make_one_chunk_temporary_forward_and_none_backward_beyond_the_gradient() -> None:
+    """Memory of the LM-head loss, the largest tensors of a step: the forward works in one fp32 copy of a
+    chunk (the exp is in place); for fp32 logits the backward builds the gradient in the gradient's own
+    rows, so its only [chunk, V] allocation is the gradient itself."""
+    n, v = 64, 512
+    logits = torch.randn(n, v, requires_grad=True)
+    target = torch.randint(0, v, (n,))
+    fwd = _BigAllocations(n * v)
+    with fwd:
+        lp = vocab_parallel_token_logprobs(logits, target, chunk_size=n)
+    bwd = _BigAllocations(n * v)
+    with bwd:
+        lp.sum().backward()
+    assert fwd.count == 1, f"forward made {fwd.count} [chunk, V] tensors"
+    assert bwd.count == 1, f"backward made {bwd.count} [chunk, V] tensors (the gradient is one)"
+    torch.testing.assert_close(logits.grad, torch.autograd.grad(_naive(logits, target).sum(), logits)[0].float())

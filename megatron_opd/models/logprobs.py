@@ -89,9 +89,9 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             if size > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            sumexp = (x - m[:, None]).exp_().sum(dim=-1)
             t = x.gather(1, local_t[s:e, None]).squeeze(1)
             t = torch.where(in_shard[s:e], t, torch.zeros_like(t))
+            sumexp = x.sub_(m[:, None]).exp_().sum(dim=-1)  # in place: no second [chunk, V] temporary
             if size > 1:
                 dist.all_reduce(sumexp, group=tp_group)
                 dist.all_reduce(t, group=tp_group)
@@ -116,7 +116,8 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             g = grad_logp[s:e].to(lse.dtype)
             if ctx.temperature != 1.0:  # d logp / d z = (onehot - softmax(z / T)) / T
                 g = g / ctx.temperature
-            p = logits[s:e].to(lse.dtype, copy=True)
+            # fp32 logits: build the gradient in its own rows of `grad` (no [chunk, V] temporary and copy)
+            p = grad[s:e].copy_(logits[s:e]) if grad.dtype == lse.dtype else logits[s:e].to(lse.dtype, copy=True)
             if ctx.temperature != 1.0:
                 p.div_(ctx.temperature)
             p.sub_(lse[s:e, None]).exp_()
@@ -125,7 +126,8 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             p.mul_(-g[:, None])
             rows = torch.arange(e - s, device=logits.device)[in_shard[s:e]]
             p[rows, local_t[s:e][in_shard[s:e]]] += g[in_shard[s:e]]
-            grad[s:e] = p.to(grad.dtype)
+            if p.data_ptr() != grad[s:e].data_ptr():
+                grad[s:e] = p.to(grad.dtype)
         return grad, None, None, None, None, None, None
 
 
