@@ -98,8 +98,9 @@ class MegatronPolicy:
         """[N, V/tp] logits of the N valid response tokens (row-major), from the model's output: already
         those rows with `select_rows` ([1, >=N, V/tp]), else gathered from [B, S, V/tp]."""
         b_idx, _, pos = batch.response_rows()
-        if self.select_rows:
-            return logits[0, : b_idx.numel()]
+        if self.select_rows:  # a view, not logits[0]: select/slice backward would zero-fill a whole [N, V] gradient
+            flat = logits.view(-1, logits.shape[-1])
+            return flat if flat.shape[0] == b_idx.numel() else flat[: b_idx.numel()]
         return logits[b_idx, pos]
 
     def _scatter(self, values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
