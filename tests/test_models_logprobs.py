@@ -214,3 +214,23 @@ def test_fp32_logprobs_make_one_chunk_temporary_forward_and_none_backward_beyond
     assert fwd.count == 1, f"forward made {fwd.count} [chunk, V] tensors"
     assert bwd.count == 1, f"backward made {bwd.count} [chunk, V] tensors (the gradient is one)"
     torch.testing.assert_close(logits.grad, torch.autograd.grad(_naive(logits, target).sum(), logits)[0].float())
+
+
+def test_full_kl_gathers_masked_rows_straight_into_its_buffers() -> None:
+    """Full KL over a row subset (rollout rows of a batch with golden rows): the selected rows go into the
+    three reusable [chunk, V] buffers directly, no gathered [rows, V] copy on the way; backward adds only
+    the student's gradient."""
+    n, v = 48, 512
+    student = torch.randn(n, v, requires_grad=True)
+    ref = torch.randn(n, v)
+    mask = torch.arange(n) % 3 != 1  # 32 rows, not one slice
+    fwd = _BigAllocations(32 * v)
+    with fwd:
+        kl = full_kl(student, ref, chunk_size=n, row_mask=mask)
+    bwd = _BigAllocations(32 * v)
+    with bwd:
+        kl.sum().backward()
+    assert fwd.count == 3, f"forward made {fwd.count} [rows, V] tensors (3 buffers)"
+    assert bwd.count == 4, f"backward made {bwd.count} [rows, V] tensors (3 buffers + the gradient)"
+    want = full_kl_reference(student.detach(), ref)[mask]
+    torch.testing.assert_close(kl[mask].detach(), want.float(), rtol=1e-5, atol=1e-6)

@@ -70,6 +70,13 @@ def _take(x: torch.Tensor, rows) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
+def _take_into(buf: torch.Tensor, x: torch.Tensor, rows) -> torch.Tensor:
+    """buf := x[rows], gathering straight into the buffer when the dtypes match (no [rows, V] temporary)."""
+    if isinstance(rows, slice) or x.dtype != buf.dtype:
+        return buf.copy_(_take(x, rows))
+    return torch.index_select(x, 0, rows, out=buf)
+
+
 def _put(dst: torch.Tensor, rows, src: torch.Tensor) -> None:
     if isinstance(rows, slice):
         dst[rows].copy_(src)
@@ -96,8 +103,8 @@ class _ChunkedFullKL(torch.autograd.Function):
         bz, bw, bt = (torch.empty(rows_cap, V, dtype=acc_dt, device=dev) for _ in range(3))
         for rows, n in _row_blocks(N, row_mask, chunk_size, dev):
             z, w, tmp = bz[:n], bw[:n], bt[:n]
-            z.copy_(_take(student_logits, rows))
-            w.copy_(_take(ref_logits, rows))
+            _take_into(z, student_logits, rows)
+            _take_into(w, ref_logits, rows)
             lz = _log_normalise_(z, tmp, reduce)  # z := log p
             lw = _log_normalise_(w, tmp, reduce)  # w := log q
             w.neg_().add_(z)  # log p - log q
@@ -132,8 +139,8 @@ class _ChunkedFullKL(torch.autograd.Function):
         for rows, n in _row_blocks(N, ctx.row_mask, ctx.chunk_size, dev):
             logp, logq, p = bz[:n], bw[:n], bt[:n]
             g = _take(grad_kl, rows).to(lse_z.dtype)[:, None]
-            logp.copy_(_take(student_logits, rows)).sub_(_take(lse_z, rows)[:, None])
-            logq.copy_(_take(ref_logits, rows)).sub_(_take(lse_w, rows)[:, None])
+            _take_into(logp, student_logits, rows).sub_(_take(lse_z, rows)[:, None])
+            _take_into(logq, ref_logits, rows).sub_(_take(lse_w, rows)[:, None])
             torch.exp(logp, out=p)
             if need_z:
                 logp.sub_(logq).sub_(_take(kl, rows)[:, None]).mul_(p).mul_(g)
