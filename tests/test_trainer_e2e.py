@@ -152,10 +152,11 @@ def test_micro_batches_accumulate_to_the_whole_minibatch(setup, tmp_path, mode):
 @pytest.mark.parametrize("where", [0, 2, 3, 6])
 def test_gradient_finite_check_sees_every_slice(bad, where):
     """The gradient check walks slices (no whole-tensor masks): a non-finite value at a slice's first or
-    last element, or in the short last slice, is still found."""
-    from megatron_opd.models.optimizer import _finite
+    last element, or in the short last slice, is still found; finite values whose sum overflows pass."""
+    from megatron_opd.algo._checks import all_finite
 
     g = torch.arange(21, dtype=torch.float32).reshape(3, 7)
-    assert _finite(g, chunk=3)
+    assert all_finite(g, chunk=3)
+    assert all_finite(torch.full((3, 7), 3e38), chunk=3)
     g.view(-1)[where * 3 + (2 if where % 2 else 0)] = bad
-    assert not _finite(g, chunk=3)
+    assert not all_finite(g, chunk=3)

@@ -111,13 +111,14 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
         logits, local_t, in_shard, lse = ctx.saved_tensors
         N, v_local = logits.shape
         grad = torch.empty_like(logits)
+        in_place = grad.dtype == lse.dtype
         for s in range(0, N, ctx.chunk_size):
             e = min(N, s + ctx.chunk_size)
             g = grad_logp[s:e].to(lse.dtype)
             if ctx.temperature != 1.0:  # d logp / d z = (onehot - softmax(z / T)) / T
                 g = g / ctx.temperature
             # fp32 logits: build the gradient in its own rows of `grad` (no [chunk, V] temporary and copy)
-            p = grad[s:e].copy_(logits[s:e]) if grad.dtype == lse.dtype else logits[s:e].to(lse.dtype, copy=True)
+            p = grad[s:e].copy_(logits[s:e]) if in_place else logits[s:e].to(lse.dtype, copy=True)
             if ctx.temperature != 1.0:
                 p.div_(ctx.temperature)
             p.sub_(lse[s:e, None]).exp_()
@@ -126,7 +127,7 @@ class _VocabParallelTokenLogprob(torch.autograd.Function):
             p.mul_(-g[:, None])
             rows = torch.arange(e - s, device=logits.device)[in_shard[s:e]]
             p[rows, local_t[s:e][in_shard[s:e]]] += g[in_shard[s:e]]
-            if p.data_ptr() != grad[s:e].data_ptr():
+            if not in_place:
                 grad[s:e] = p.to(grad.dtype)
         return grad, None, None, None, None, None, None
 

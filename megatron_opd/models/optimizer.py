@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from megatron_opd.algo._checks import all_finite
 from megatron_opd.config import OptimConfig
 
 
@@ -147,20 +148,13 @@ def grads_finite(setup: TrainingSetup) -> bool:
     """True on every rank iff every rank's (finalised) gradients are finite."""
     import torch.distributed as dist
 
-    ok = all(_finite(g) for p in setup.model.parameters() if (g := getattr(p, "main_grad", None)) is not None)
+    ok = all(all_finite(g) for p in setup.model.parameters() if (g := getattr(p, "main_grad", None)) is not None)
     from megatron_opd.models.parallel import host_group
 
     flag = torch.tensor([1.0 if ok else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group("world"))
     return bool(flag.item() > 0)
-
-
-def _finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
-    """torch.isfinite(t).all() in slices: whole-tensor isfinite materialises an fp32 abs and three bool
-    masks of the tensor's size (~200 MB for a 49k x 576 embedding gradient)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def unwrap(model: Any) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_opd.algo._checks import all_finite
 from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
 
 
@@ -38,12 +39,6 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """NaN/inf anywhere makes the sum non-finite; the exact (slower) check runs only then, so a
-    finite tensor whose sum overflows is not rejected."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 # Decode-stall guard (num_threads=0): a decode step slower than STALL_FACTOR x the fastest one of the same
@@ -235,13 +230,9 @@ class LocalEngine:
         elif version != self._pending_version:
             self._fail(f"bucket for version {version} while version {self._pending_version} is in progress")
         for name, t in bucket:
-            dst = self._params.get(name)
-            if dst is None:
-                self._fail(f"unknown parameter name {name!r} (model has e.g. {list(self._params)[:3]})")
-            if tuple(dst.shape) != tuple(t.shape):
-                self._fail(f"{name}: shape {tuple(t.shape)} != model {tuple(dst.shape)}")
-            if self.check_finite_weights and t.is_floating_point() and not _all_finite(t):
-                self._fail(f"{name}: contains NaN/inf")
+            problem = self._tensor_problem(name, t)
+            if problem:
+                self._fail(problem)
         for name, t in bucket:
             dst = self._params[name]
             if dst.data_ptr() != t.data_ptr():  # equal: a tensor shared with the trainer (share_weights)
@@ -270,16 +261,14 @@ class LocalEngine:
         contiguity; a mismatch raises before anything is shared. The weight version is unchanged."""
         bucket = list(named_tensors)
         for name, t in bucket:
+            problem = self._tensor_problem(name, t)
             dst = self._params.get(name)
-            if dst is None:
-                raise ValueError(f"share_weights: unknown parameter name {name!r} (model has e.g. {list(self._params)[:3]})")
-            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype or dst.device != t.device:
-                raise ValueError(f"share_weights: {name}: {tuple(t.shape)} {t.dtype} on {t.device} != engine "
-                                 f"{tuple(dst.shape)} {dst.dtype} on {dst.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"share_weights: {name}: not contiguous (decode would copy it every step)")
-            if self.check_finite_weights and t.is_floating_point() and not _all_finite(t):
-                raise ValueError(f"share_weights: {name}: contains NaN/inf")
+            if not problem and (dst.dtype != t.dtype or dst.device != t.device):
+                problem = f"{name}: {t.dtype} on {t.device} != engine {dst.dtype} on {dst.device}"
+            if not problem and not t.is_contiguous():
+                problem = f"{name}: not contiguous (decode would copy it every step)"
+            if problem:
+                raise ValueError(f"share_weights: {problem}")
         shared = 0
         for name, t in bucket:
             dst = self._params[name]
@@ -287,6 +276,17 @@ class LocalEngine:
                 dst.data = t.detach()
                 shared += t.numel() * t.element_size()
         return shared
+
+    def _tensor_problem(self, name: str, t: torch.Tensor) -> Optional[str]:
+        """Why `t` cannot stand for the engine's parameter `name` (unknown name, shape, NaN/inf), or None."""
+        dst = self._params.get(name)
+        if dst is None:
+            return f"unknown parameter name {name!r} (model has e.g. {list(self._params)[:3]})"
+        if tuple(dst.shape) != tuple(t.shape):
+            return f"{name}: shape {tuple(t.shape)} != model {tuple(dst.shape)}"
+        if self.check_finite_weights and t.is_floating_point() and not all_finite(t):
+            return f"{name}: contains NaN/inf"
+        return None
 
     def _fail(self, msg: str) -> None:
         if self._pending_covered:  # earlier buckets were applied: the weights are now mixed
