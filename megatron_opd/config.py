@@ -406,8 +406,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
                 defaults: Optional[list[str]] = None) -> Config:
     """Build a Config from an optional YAML file plus dotted `key=value` overrides, then validate.
 
-    The algorithm preset fills in its defaults for keys that neither the YAML nor an override set;
-    `defaults` (dotted `key=value`, a command's own defaults such as `sft`'s learning rate) likewise.
+    The algorithm preset fills in its defaults for keys that neither the YAML nor an override set; a
+    preset given as an override also replaces the YAML's values of its keys (only other overrides beat it).
+    `defaults` (dotted `key=value`, a command's own defaults such as `sft`'s learning rate) sit below the YAML.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -421,18 +422,27 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
         data = loaded
+    cli: dict[str, Any] = {}
     for item in overrides or []:
         keys, value = _parse_override(item)
-        data = _deep_merge(data, _nest(keys, value))
+        cli = _deep_merge(cli, _nest(keys, value))
     for item in reversed(defaults or []):
         keys, value = _parse_override(item)
         data = _deep_merge(_nest(keys, value), data)
     cfg = Config()
-    algo = data.get("algo") if isinstance(data.get("algo"), dict) else {}
+    cli_algo = cli.get("algo") if isinstance(cli.get("algo"), dict) else {}
+    preset_on_cli = "preset" in cli_algo
+    data = _deep_merge(data, cli) if not preset_on_cli else data
+    algo = cli_algo if preset_on_cli else (data.get("algo") if isinstance(data.get("algo"), dict) else {})
     preset = algo.get("preset", cfg.algo.preset)
     preset = preset.parsed if isinstance(preset, _RawOverride) else preset
     if preset in PRESETS:
-        data = _deep_merge({"algo": PRESETS[preset]}, data)
+        if preset_on_cli:  # `algo.preset=opd` on the command line means opd, whatever the YAML's algo values
+            data = _deep_merge(_deep_merge(data, {"algo": PRESETS[preset]}), cli)
+        else:
+            data = _deep_merge({"algo": PRESETS[preset]}, data)
+    elif preset_on_cli:
+        data = _deep_merge(data, cli)
     _apply(cfg, data, "")
     validate(cfg)
     return cfg

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -86,6 +88,21 @@ def test_preset_explicit_keys_win(tmp_path):
     # an override of the preset from the YAML picks the override's preset defaults
     cfg = load_config(write(tmp_path, {"algo": {"preset": "stable_opd"}}), ["algo.preset=opd"])
     assert (cfg.algo.beta_kl, cfg.algo.lambda_gold, cfg.algo.mixture_ratio) == (0.0, 0.0, 0.0)
+
+
+def test_preset_on_the_command_line_beats_the_yaml_values(tmp_path):
+    """The examples spell out Stable-OPD's values: `algo.preset=opd` on the command line must still run OPD
+    (before, the YAML's beta_kl/lambda_gold/mixture_ratio survived under an `opd` label)."""
+    yaml_path = write(tmp_path, {"algo": {"preset": "stable_opd", "beta_kl": 0.01, "lambda_gold": 1.0,
+                                          "mixture_ratio": 0.25, "clip_eps_low": 0.1}})
+    cfg = load_config(yaml_path, ["algo.preset=opd"])
+    assert (cfg.algo.preset, cfg.algo.beta_kl, cfg.algo.lambda_gold, cfg.algo.mixture_ratio) == ("opd", 0, 0, 0)
+    assert cfg.algo.clip_eps_low == 0.1  # keys the preset does not set keep the YAML's value
+    cfg = load_config(yaml_path, ["algo.beta_kl=0.001", "algo.preset=opd_kl"])
+    assert (cfg.algo.beta_kl, cfg.algo.lambda_gold) == (0.001, 0.0)  # other command-line keys beat the preset
+    for example in sorted(Path(__file__).parent.parent.glob("examples/*stable_opd*.yaml")):
+        cfg = load_config(example, ["algo.preset=opd"])
+        assert (cfg.algo.beta_kl, cfg.algo.lambda_gold, cfg.algo.mixture_ratio) == (0, 0, 0), example
 
 
 def test_custom_preset_keeps_dataclass_defaults():
