@@ -536,6 +536,9 @@ def validate(cfg: Config) -> None:
         except ValueError as e:
             raise ConfigError(str(e).replace(f"{type(sub).__name__}.", f"train.{section}.", 1)) from None
     need(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "must be >= 1")
+    need(not (r.backend == "sglang" and r.server_url is not None and r.sglang_mode == "engine"), "rollout.server_url",
+         f"{r.server_url!r} is a server to attach to, but rollout.sglang_mode=engine starts an in-process engine: "
+         "set rollout.sglang_mode=server (or drop rollout.server_url)")
     if r.backend == "sglang" and r.colocate and r.server_url is not None:
         host = urlparse(r.server_url).hostname
         need(host in ("127.0.0.1", "localhost", "::1"), "rollout.colocate",

@@ -349,6 +349,14 @@ def test_config_keys_for_sglang_wiring():
             load_config(None, [override])
 
 
+def test_server_url_in_engine_mode_is_refused():
+    """engine mode starts an in-process sgl.Engine whatever rollout.server_url says: a URL there would be
+    silently ignored (and a second SGLang started), so the combination is a config error naming the key."""
+    with pytest.raises(ConfigError, match=r"rollout.server_url: .*sglang_mode=server"):
+        load_config(None, ["rollout.backend=sglang", "rollout.colocate=false", "rollout.server_url=http://gpu-a17:30000"])
+    assert load_config(None, ["rollout.server_url=http://gpu-a17:30000"]).rollout.backend == "local"  # not sglang
+
+
 def test_colocate_with_a_remote_server_is_refused_and_attached_servers_never_released(monkeypatch):
     """Tensor sync sends same-machine handles: colocate=true with a server on another host is a config
     error; and an attached server (not started by us, maybe without --enable-memory-saver) is never
