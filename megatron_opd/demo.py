@@ -70,7 +70,7 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
     from megatron_opd.data.builtin.arithmetic import builtin_splits, make_arithmetic_problems
     from megatron_opd.data.prompts import write_jsonl
     from megatron_opd.models.parallel import destroy_parallel
-    from megatron_opd.trainer.sft import SFT_DEFAULTS, read_sft_meta, run_sft
+    from megatron_opd.trainer.sft import read_sft_meta, run_sft, sft_defaults
 
     key_src = json.dumps({"recipe": recipe, "student": (student / "config.json").read_text(),
                           "eval": [N_TRAIN, N_EVAL]}, sort_keys=True)
@@ -86,7 +86,7 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
         f"solutions on {student.name} (megatron-opd sft; cached in {out})")
     cfg = load_config(None, [f"model.hf_path={student}", f"data.train_path={data}", f"optim.lr={recipe['lr']}",
                              f"model.params_dtype={recipe['params_dtype']}",
-                             f"train.micro_batch_size={recipe['micro_batch_size']}"], defaults=SFT_DEFAULTS)
+                             f"train.micro_batch_size={recipe['micro_batch_size']}"], defaults=sft_defaults(recipe["steps"]))
     try:
         run_sft(cfg, out, recipe["steps"], recipe["batch_size"], log=log, overwrite=True,
                 extra_meta={"recipe": recipe, "made_by": "megatron-opd demo"})

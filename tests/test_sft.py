@@ -24,10 +24,10 @@ def _overrides(student: Path, data: dict[str, Path], **extra: str) -> list[str]:
 def _sft(rank: int, world: int, overrides: list[str], out: str, steps: int, batch: int) -> dict:
     from megatron_opd.config import load_config
     from megatron_opd.models.parallel import destroy_parallel
-    from megatron_opd.trainer.sft import SFT_DEFAULTS, run_sft
+    from megatron_opd.trainer.sft import run_sft, sft_defaults
 
     try:
-        return run_sft(load_config(None, overrides, defaults=SFT_DEFAULTS), out, steps, batch, log=lambda _: None)
+        return run_sft(load_config(None, overrides, defaults=sft_defaults(steps)), out, steps, batch, log=lambda _: None)
     finally:
         destroy_parallel()
 
@@ -115,3 +115,26 @@ def test_sft_cli_errors_name_the_input(tmp_path: Path, capsys: pytest.CaptureFix
                  f"data.train_path={data['train']}"]) == 2
     assert "--steps" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_sft_refuses_an_existing_out_before_training_and_short_runs_need_no_warmup_flag(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing --out is refused before the first step (it was refused after all of them), and the SFT
+    warmup default (5 steps) shrinks for runs of <= 5 steps instead of failing `--steps 2`."""
+    from megatron_opd.trainer import sft
+
+    _root, student, _teacher, data = tiny_setup(tmp_path)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "keep.txt").write_text("user's file")
+    stepped = []
+    real_train = sft.build_batch
+    monkeypatch.setattr(sft, "build_batch", lambda *a, **k: stepped.append(1) or real_train(*a, **k))
+    args = ["--steps", "2", "--batch-size", "2", "--max-response-tokens", "8", f"model.hf_path={student}",
+            f"data.train_path={data['train']}", "parallel.backend=gloo"]
+    assert sft.main(["--out", str(tmp_path / "o"), *args]) == 2
+    assert "already exists" in capsys.readouterr().err and not stepped
+    assert (tmp_path / "o" / "keep.txt").read_text() == "user's file"
+    assert sft.main(["--out", str(tmp_path / "o2"), *args]) == 0, capsys.readouterr().err
+    assert len(stepped) == 2 and (tmp_path / "o2" / "config.json").is_file()
+    assert [d for d in sft.sft_defaults(2) if "warmup" in d] == ["optim.warmup_steps=1"]
+    assert [d for d in sft.sft_defaults(100) if "warmup" in d] == ["optim.warmup_steps=5"]

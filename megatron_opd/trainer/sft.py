@@ -28,8 +28,13 @@ from megatron_opd.config import Config, ConfigError, load_config
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch, split_micro_batches
 
 # Under the YAML and the overrides (which win): SFT wants a larger step size than OPD's default.
-SFT_DEFAULTS = ["optim.lr=5e-5", "optim.warmup_steps=5", "optim.lr_decay_style=cosine", "optim.min_lr=5e-6",
-                "checkpoint.resume=never"]
+SFT_DEFAULTS = ["optim.lr=5e-5", "optim.lr_decay_style=cosine", "optim.min_lr=5e-6", "checkpoint.resume=never"]
+
+
+def sft_defaults(steps: int) -> list[str]:
+    """SFT_DEFAULTS plus a warmup of 5 optimizer steps, shortened for runs of 5 steps or fewer (a default
+    the user never set must not make `--steps 2` fail)."""
+    return [*SFT_DEFAULTS, f"optim.warmup_steps={max(0, min(5, steps - 1))}"]
 META_FILE = "sft_meta.json"
 
 
@@ -106,6 +111,7 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     if batch_size % dp_size:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of the data-parallel size {dp_size}")
+    tmp = prepare_partial(out, overwrite=overwrite)  # refuse an existing --out before training, not after
     reports = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
                and dp_rank == 0)
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -135,7 +141,6 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
                **(extra_meta or {})}
     if not all(math.isfinite(x) for x in (summary["nll_first"], summary["nll_last"])) and reports:
         raise RuntimeError(f"sft: non-finite loss (first {summary['nll_first']}, last {summary['nll_last']})")
-    tmp = prepare_partial(out, overwrite=overwrite)
     weights = policy.iter_hf_weights()  # collective: every rank drains it, rank 0 writes
     if torch.distributed.get_rank() == 0:
         write_safetensors_shards(weights, tmp)
@@ -171,7 +176,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(args.config, list(args.overrides), defaults=SFT_DEFAULTS)
+        cfg = load_config(args.config, list(args.overrides), defaults=sft_defaults(args.steps))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
