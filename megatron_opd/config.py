@@ -67,7 +67,7 @@ class TeacherConfig:
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
     top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
     micro_batch_size: int = 8
-    # an in-process megatron teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
+    # an in-process (megatron or hf) teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # an in-process megatron teacher's weights wait in host memory between scoring phases (colocated GPUs:
     # frees 2·P/(TP·PP) bytes per GPU for training and rollout, for one host<->device copy per step)
@@ -176,7 +176,7 @@ class DataConfig:
 class OptimConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer steps: train.steps x algo.ppo_epochs x algo.num_minibatches in a run
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

@@ -1,8 +1,10 @@
 """Helpers the SLURM launch scripts (scripts/slurm/) call before they spend GPU time.
 
 `python -m megatron_opd.launch check-config --config X key=value...` loads the config exactly as
-`megatron-opd train` will (same YAML, same overrides, same validation) and prints a one-line summary,
-so a typo fails the job in seconds instead of after the SGLang servers have loaded their weights.
+`megatron-opd train` will (same YAML, same overrides, same validation), checks that its model directories,
+data files and evaluation sets exist (megatron_opd.inputs; `--skip-paths` for a dry run off-cluster) and
+prints a one-line summary, so a typo fails the job in seconds instead of after the SGLang servers have
+loaded their weights.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from typing import Optional
 
 from megatron_opd.config import Config, ConfigError, load_config
+from megatron_opd.inputs import check_inputs
 
 
 def summarize(cfg: Config) -> str:
@@ -31,14 +34,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check-config", help="load + validate a config with overrides; print a summary")
     check.add_argument("--config", required=True, help="YAML file")
+    check.add_argument("--skip-paths", action="store_true",
+                       help="do not check that the model directories and data files exist (a dry run off-cluster)")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if not args.skip_paths:
+            check_inputs(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(f"config ok: {summarize(cfg)}")
+    print(f"config ok{' (paths not checked)' if args.skip_paths else ''}: {summarize(cfg)}")
     return 0
 
 

@@ -82,6 +82,8 @@ def test_benchmark_name_resolved_through_data_dir(setup):
     (["--benchmarks", "nope=x.jsonl"], "unknown benchmark 'nope'"),
     (["--benchmarks", "aime24=/does/not/exist.jsonl"], "not found"),
     (["--benchmarks", "arith=a.jsonl", "--k", "0"], "--k: invalid value 0"),
+    (["--benchmarks", "arith=a.jsonl", "--top-k", "0"], "--top-k: invalid value 0"),
+    (["--benchmarks", "arith=a.jsonl", "--device", "tpu"], "--device: invalid value tpu"),
 ])
 def test_cli_bad_arguments_exit_2(tmp_path, extra, msg, capsys):
     def factory(args):
@@ -113,3 +115,29 @@ def test_cli_with_the_real_local_engine_on_a_tiny_model(tmp_path):
     assert all(1 <= r["tokens"] <= 6 for r in rows)
     assert res["avg@2"] == sum(r["status"] == "correct" for r in rows) / 6
     assert res["truncation_rate"] == sum(r["finish_reason"] == "length" for r in rows) / 6
+
+
+def test_local_engine_takes_dtype_and_device(tmp_path, monkeypatch):
+    """`--dtype`/`--device` reach the engine; `auto` is the GPU in bfloat16 when there is one (the eval of a
+    1.5B-7B student on a GPU node ran on the CPU in float32 before), the CPU in float32 otherwise."""
+    import torch
+
+    from megatron_opd.eval.cli import _local_engine, build_parser
+    from megatron_opd.models.tiny import make_tiny_hf_model
+    from megatron_opd.rollout.local import LocalEngine
+
+    make_tiny_hf_model("qwen2", out_dir=tmp_path / "m", vocab_size=64)
+    seen = []
+    monkeypatch.setattr(LocalEngine, "from_pretrained", classmethod(lambda cls, path, **kw: seen.append(kw)))
+    base = ["--model", str(tmp_path / "m"), "--out", str(tmp_path / "o"), "--k", "1"]
+    _local_engine(build_parser().parse_args(base))
+    assert (seen[-1]["dtype"], seen[-1]["device"]) == (torch.float32, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    _local_engine(build_parser().parse_args(base))
+    assert (seen[-1]["dtype"], seen[-1]["device"]) == (torch.bfloat16, "cuda:3")
+    _local_engine(build_parser().parse_args(base + ["--dtype", "float32", "--device", "cpu"]))
+    assert (seen[-1]["dtype"], seen[-1]["device"]) == (torch.float32, "cpu")
+    monkeypatch.undo()
+    engine = _local_engine(build_parser().parse_args(base + ["--dtype", "bfloat16"]))  # the real engine
+    assert next(engine.model.parameters()).dtype == torch.bfloat16

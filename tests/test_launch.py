@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_opd.config import load_config
 from megatron_opd.launch import main as launch_main
@@ -298,10 +299,10 @@ def test_bad_override_fails_before_any_launch(fake_bin):
 
 def test_check_config_cli(capsys):
     cfg = str(ROOT / "examples" / "qwen2.5-math-1.5b_opd_kl.yaml")
-    assert launch_main(["check-config", "--config", cfg, "rollout.n_samples_per_prompt=3"]) == 0
+    assert launch_main(["check-config", "--skip-paths", "--config", cfg, "rollout.n_samples_per_prompt=3"]) == 0
     out = capsys.readouterr().out
     assert "preset=opd_kl" in out and "n=3" in out
-    assert launch_main(["check-config", "--config", cfg, "rollout.temperature=0"]) == 2
+    assert launch_main(["check-config", "--skip-paths", "--config", cfg, "rollout.temperature=0"]) == 2
     assert "rollout.temperature" in capsys.readouterr().err
 
 
@@ -369,9 +370,17 @@ def fake_cluster(tmp_path, fake_bin):
     log = tmp_path / "fake_log"
     log.mkdir()
     ports = (_free_port(), _free_port())
+    # check-config checks paths in a real run: the example config with a model directory and data that exist
+    (tmp_path / "config.json").write_text("{}")
+    for name in ("math_train.jsonl", "math500.jsonl"):
+        (tmp_path / name).write_text("")
+    cfg = yaml.safe_load((ROOT / "examples" / "qwen2.5-math-1.5b_stable_opd.yaml").read_text())
+    cfg["data"].update(train_path=str(tmp_path / "math_train.jsonl"), eval_paths=[str(tmp_path / "math500.jsonl")])
+    cfg["optim"]["warmup_steps"] = 0  # the tests run 3 steps
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     env = _env(fake_bin, ["127.0.0.1"], PYTHON=str(fake_bin / "python"), FAKE_LOG=str(log), OUT=str(tmp_path / "out"),
                ROLLOUT_PORT=str(ports[0]), TEACHER_PORT=str(ports[1]), POLL_INTERVAL="0.2", SERVER_TIMEOUT="30",
-               STUDENT=str(tmp_path), TEACHER=str(tmp_path))
+               STUDENT=str(tmp_path), TEACHER=str(tmp_path), CONFIG=str(tmp_path / "run.yaml"))
     yield env, log, ports
     for pid in _server_pids(log):  # a failed test must not leave fake servers behind
         if _alive(pid):

@@ -160,3 +160,30 @@ def test_gradient_finite_check_sees_every_slice(bad, where):
     assert all_finite(torch.full((3, 7), 3e38), chunk=3)
     g.view(-1)[where * 3 + (2 if where % 2 else 0)] = bad
     assert not all_finite(g, chunk=3)
+
+
+def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
+    """teacher.params_dtype reaches an hf teacher (it was loaded in float32 whatever the key said) and
+    teacher.micro_batch_size the megatron teacher in the student's layout (it scored with
+    train.micro_batch_size)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(_cfg(setup, tmp_path / "hf", "opd", 1, "teacher.backend=hf", "teacher.params_dtype=bfloat16"))
+    try:
+        assert next(trainer.teacher.model.parameters()).dtype == torch.bfloat16
+        trainer.train()  # scores in bf16, log-softmax in fp32
+        assert all(torch.isfinite(torch.tensor(v)) for k, v in read_metrics(tmp_path / "hf")[0].items()
+                   if k.startswith("logp/teacher"))
+    finally:
+        trainer.close()
+    trainer = Trainer(_cfg(setup, tmp_path / "mg", "opd", 1, "teacher.backend=megatron", "teacher.micro_batch_size=1",
+                           "train.micro_batch_size=4"))
+    try:
+        seen, real = [], trainer.teacher_policy.score
+        monkeypatch.setattr(trainer.teacher_policy, "score",
+                            lambda batch, micro_batch_size: seen.append(micro_batch_size) or real(
+                                batch, micro_batch_size=micro_batch_size))
+        trainer.train()
+        assert seen == [1]
+    finally:
+        trainer.close()

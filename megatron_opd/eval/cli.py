@@ -57,12 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 1024")
     p.add_argument("--temperature", type=float, default=None, help="default 1.0")
     p.add_argument("--top-p", type=float, default=None, help="default 1.0")
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-k", type=int, default=-1, help="-1 (default): off; else >= 1")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="the model's weights (auto: bfloat16 on a GPU, float32 on the CPU)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when available, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--batch-size", type=int, default=32, help="prompts per engine.generate call")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--prompt-template", default=None, help="default: data.prompt_template of the config")
+    p.add_argument("--prompt-template", default=None, help="prompt template with {problem} (default: the trainer's data.prompt_template default)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt template text")
     p.add_argument("--strict-data", action="store_true", help="a bad row is an error instead of a recorded skip")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -71,10 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _local_engine(args: argparse.Namespace) -> Any:
+    import torch
+
     from megatron_opd.rollout.local import LocalEngine  # lazy: pulls in torch + transformers models
 
     k = max(args.k.values()) if isinstance(args.k, dict) else args.k
-    return LocalEngine.from_pretrained(args.model, max_batch_size=max(1, args.batch_size * k))
+    device = args.device
+    if device == "auto":  # the GPU when there is one: the CPU is for tests and tiny models
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    return LocalEngine.from_pretrained(args.model, dtype=dtype, device=device, max_batch_size=max(1, args.batch_size * k))
 
 
 def _apply_preset(args: argparse.Namespace) -> None:
@@ -105,6 +115,8 @@ def main(argv: Optional[list[str]] = None, engine_factory: Optional[EngineFactor
                             ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),
                             ("--temperature", args.temperature, args.temperature >= 0),
                             ("--top-p", args.top_p, 0 < args.top_p <= 1),
+                            ("--top-k", args.top_k, args.top_k == -1 or args.top_k >= 1),
+                            ("--device", args.device, args.device in ("auto", "cpu") or args.device.startswith("cuda")),
                             ("--batch-size", args.batch_size, args.batch_size >= 1),
                             ("--limit", args.limit, args.limit is None or args.limit >= 1)):
         if not ok:

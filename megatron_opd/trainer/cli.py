@@ -20,13 +20,22 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from megatron_opd.data.prompts import DataError
+    from megatron_opd.models.checkpoint import CheckpointError
+    from megatron_opd.models.hf_config import HFConfigError
+    from megatron_opd.models.weight_mapping import WeightMappingError
     from megatron_opd.teacher.fidelity import PairMismatchError
     from megatron_opd.trainer.loop import Trainer, TrainingStopped
 
+    # Errors about what the user gave (config, paths, data, model files, checkpoints): one line, no traceback.
+    input_errors = (ConfigError, DataError, HFConfigError, WeightMappingError, CheckpointError)
     try:
         trainer = Trainer(cfg)
     except PairMismatchError as e:
         print(f"preflight: {e}", file=sys.stderr)
+        return 2
+    except input_errors as e:
+        print(f"{_label(e)}: {e}", file=sys.stderr)
         return 2
     try:
         trainer.train()
@@ -36,6 +45,15 @@ def main(argv: list[str]) -> int:
     except PairMismatchError as e:
         print(f"preflight: {e}", file=sys.stderr)
         return 2
+    except input_errors as e:
+        print(f"{_label(e)}: {e}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0
+
+
+def _label(e: Exception) -> str:
+    return "config error" if isinstance(e, ConfigError) else {
+        "DataError": "data error", "HFConfigError": "model error", "WeightMappingError": "model error",
+        "CheckpointError": "checkpoint error"}.get(type(e).__name__, "error")

@@ -28,7 +28,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_opd.config import Config, dump_config
+from megatron_opd.config import Config, ConfigError, dump_config
+from megatron_opd.inputs import check_inputs, eval_set_name
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch, split_micro_batches
 from megatron_opd.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from megatron_opd.trainer.logger import RunLogger, gpu_stats
@@ -113,10 +114,7 @@ class Trainer:
         from megatron_opd.metrics.collapse import CollapseDetector
         from megatron_opd.models.parallel import init_parallel
 
-        if cfg.model.hf_path is None:
-            raise ValueError("model.hf_path: required (an HF directory with config.json and *.safetensors)")
-        if cfg.data.train_path is None:
-            raise ValueError("data.train_path: required (JSONL / Parquet / HF dataset directory of prompts)")
+        check_inputs(cfg)
         self.cfg = cfg
         p = cfg.parallel
         init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.backend, seed=cfg.train.seed)
@@ -262,7 +260,10 @@ class Trainer:
             if t.backend == "hf":
                 from megatron_opd.teacher.hf import HFTeacher
 
-                self.teacher = HFTeacher.from_pretrained(t.hf_path, micro_batch_size=t.micro_batch_size)
+                self.teacher = HFTeacher.from_pretrained(
+                    t.hf_path, dtype=resolve_dtype(t.params_dtype),
+                    device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu",
+                    micro_batch_size=t.micro_batch_size)
                 self.teacher.topk_id_limit = self._topk_id_limit(self.teacher.vocab_size)
             else:
                 from megatron_opd.rollout.base import eos_ids_from
@@ -300,7 +301,7 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         size = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
         if world % size:
-            raise ValueError(f"teacher.tensor_model_parallel_size x pipeline_model_parallel_size = {size} does not "
+            raise ConfigError(f"teacher.tensor_model_parallel_size x pipeline_model_parallel_size = {size} does not "
                              f"divide the {world} ranks the teacher shares with the student")
         self.layout_teacher = MegatronTeacher.from_hf(
             t.hf_path, micro_batch_size=t.micro_batch_size, layer_spec=self.cfg.model.layer_spec,
@@ -394,7 +395,7 @@ class Trainer:
 
         sets = {}
         for item in self.cfg.data.eval_paths:
-            name, _, path = item.partition("=") if "=" in item else (Path(item).stem, "", item)
+            name, path = eval_set_name(item)
             sets[name] = load_benchmark(name, path, self.tokenizer, self.cfg.data)
         return sets
 
@@ -527,7 +528,7 @@ class Trainer:
         if not (algo.golden_loss == "fkl_topk" and algo.lambda_gold > 0 and bool(batch.is_golden.any())):
             return
         ids, lps = self.teacher_policy.score_topk(batch, self.cfg.teacher.top_k, batch.is_golden,
-                                                  micro_batch_size=self.cfg.train.micro_batch_size,
+                                                  micro_batch_size=self.cfg.teacher.micro_batch_size,
                                                   id_limit=self._topk_id_limit(self.teacher_policy.vocab_size))
         batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
@@ -670,7 +671,8 @@ class Trainer:
             None if reuse else self.student.score(batch, micro_batch_size=mbs)[0])
         if self.teacher_policy is not None:
             with self._teacher_weights():
-                batch.extras["teacher_logp"], _ = self.teacher_policy.score(batch, micro_batch_size=mbs)
+                batch.extras["teacher_logp"], _ = self.teacher_policy.score(
+                    batch, micro_batch_size=cfg.teacher.micro_batch_size)
                 self._attach_teacher_topk(batch)
         if self.ref is not None and not full_kl:  # full KL: ref log-probs come with its per-micro-batch logits
             ref_logp, _ = self.ref.score(batch, micro_batch_size=mbs)

@@ -123,14 +123,16 @@ prepare_out_dir() {
     is_dry_run || mkdir -p "$1/logs"
 }
 
-# check_config CONFIG OVERRIDES... : fail in seconds on a bad YAML or override, before any server
-# spends minutes loading weights.
+# check_config CONFIG OVERRIDES... : fail in seconds on a bad YAML or override or a missing model/data path,
+# before any server spends minutes loading weights.
 check_config() {
     local config=$1
     shift
     [[ -f "$config" ]] || die "config file '$config' not found (relative paths are from $(pwd))"
     [[ "$CHECK_CONFIG" == 1 ]] || return 0
-    "$PYTHON" -m megatron_opd.launch check-config --config "$config" "$@" >&2 ||
+    local skip=()
+    is_dry_run && skip=(--skip-paths)   # a dry run off-cluster has no model or data paths to check
+    "$PYTHON" -m megatron_opd.launch check-config ${skip[@]+"${skip[@]}"} --config "$config" "$@" >&2 ||
         die "config check failed for $config (see the message above)"
 }
 

@@ -1,0 +1,80 @@
+"""What a run reads from disk, checked before anything is loaded.
+
+`validate` (config.py) checks the config against itself; this checks it against the machine: the model
+directories, data files and evaluation sets exist and have the shape the trainer needs, the benchmark
+names resolve and the launch's world size fits the layout. A bad path is then one line naming the key,
+in seconds, instead of a traceback after the student, reference and teacher have loaded (`train`), and
+`launch check-config` catches it on the login node before a job holds its GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_opd.config import Config, ConfigError
+from megatron_opd.eval.benchmarks import BENCHMARKS, canonical_name
+
+
+def _model_dir(key: str, path: str | None, why: str) -> None:
+    if path is None:
+        raise ConfigError(f"{key}: required ({why})")
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{key}={path}: not found")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: not an HF model directory (no config.json)")
+
+
+def _data_path(key: str, path: str | None) -> None:
+    if path is None:
+        raise ConfigError(f"{key}: required (a JSONL or Parquet file, or a saved HF dataset directory)")
+    if not Path(path).exists():
+        raise ConfigError(f"{key}={path}: not found")
+
+
+def eval_set_name(item: str) -> tuple[str, str]:
+    """`data.eval_paths` entry -> (benchmark name or alias, path). `name=path` names it; otherwise the file's
+    stem, or, when the stem is no benchmark (`math500/test.jsonl`), its directory's name. KeyError if the
+    name is no known benchmark."""
+    if "=" in item:
+        name, _, path = item.partition("=")
+        canonical_name(name)
+        return name, path
+    p = Path(item)
+    for candidate in (p.stem, p.parent.name):
+        try:
+            canonical_name(candidate)
+            return candidate, item
+        except KeyError:
+            continue
+    raise KeyError(f"{item}: neither {p.stem!r} nor {p.parent.name!r} is a known benchmark "
+                   f"(known: {', '.join(BENCHMARKS)}); name it as NAME=PATH, e.g. math500={item}")
+
+
+def check_inputs(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError naming the key for the first input that cannot work. `world_size` defaults to
+    torchrun's WORLD_SIZE (no check without it)."""
+    _model_dir("model.hf_path", cfg.model.hf_path, "the student: an HF directory with config.json and *.safetensors")
+    t = cfg.teacher
+    if t.backend in ("megatron", "hf") or (t.backend == "sglang" and t.server_url is None):
+        _model_dir("teacher.hf_path", t.hf_path, f"the teacher model for teacher.backend={t.backend}")
+    _data_path("data.train_path", cfg.data.train_path)
+    for i, item in enumerate(cfg.data.eval_paths):
+        try:
+            _name, path = eval_set_name(item)
+        except KeyError as e:
+            raise ConfigError(f"data.eval_paths[{i}]: {e.args[0]}") from None
+        _data_path(f"data.eval_paths[{i}]", path)
+    steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
+    if cfg.optim.warmup_steps > steps:
+        raise ConfigError(f"optim.warmup_steps: {cfg.optim.warmup_steps} exceeds the run's {steps} optimizer steps "
+                          f"(train.steps x algo.ppo_epochs x algo.num_minibatches)")
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    p = cfg.parallel
+    layout = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    if world_size is not None and world_size % layout:
+        raise ConfigError(f"parallel.tensor_model_parallel_size: the world size {world_size} is not divisible by "
+                          f"tensor_model_parallel_size * pipeline_model_parallel_size = "
+                          f"{p.tensor_model_parallel_size} * {p.pipeline_model_parallel_size}")
