@@ -31,7 +31,6 @@ class ModelConfig:
     """The student (and, by default, the reference = initial student)."""
 
     hf_path: Optional[str] = None  # HF directory: config.json + *.safetensors (+ tokenizer)
-    megatron_ckpt: Optional[str] = None  # torch_dist checkpoint to start from instead of hf_path
     family: Literal["auto", "qwen2", "qwen3", "llama"] = "auto"
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: TE on GPU, local on CPU
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -202,6 +201,8 @@ class CheckpointConfig:
     save_every: int = 50
     keep_last: int = 3
     resume: Literal["auto", "never"] = "auto"
+    # at the end of a run: the student as an HF directory, <logging.out_dir>/hf (for eval, serving, the next run)
+    export_hf: bool = True
 
 
 @dataclass

@@ -187,3 +187,26 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
         assert seen == [1]
     finally:
         trainer.close()
+
+
+def test_run_ends_with_the_student_as_an_hf_directory(setup, tmp_path):
+    """`<out>/hf` after a run: loadable by transformers (so `megatron-opd eval --model <out>/hf` works), holding
+    the trained weights (not the initial ones), the tokenizer and opd_meta.json; export_hf=false writes none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _root, student, _teacher, _data = setup
+    trainer = _train(_cfg(setup, tmp_path / "run", "opd", 2, "teacher.backend=megatron"))
+    hf = tmp_path / "run" / "hf"
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    AutoTokenizer.from_pretrained(hf)
+    trained = dict(trainer.student.iter_hf_weights())
+    initial = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).state_dict()
+    got = model.state_dict()
+    for name, t in trained.items():
+        torch.testing.assert_close(got[name], t.float(), rtol=0, atol=0)
+    assert any(not torch.equal(got[n], initial[n]) for n in trained), "export holds the initial weights"
+    meta = json.loads((hf / "opd_meta.json").read_text())
+    assert (meta["step"], meta["preset"], meta["source_model"]) == (2, "opd", str(student))
+    assert not list(tmp_path.glob("run/.hf*")), "partial export left behind"
+    _train(_cfg(setup, tmp_path / "none", "opd", 1, "teacher.backend=megatron", "checkpoint.export_hf=false"))
+    assert not (tmp_path / "none" / "hf").exists()

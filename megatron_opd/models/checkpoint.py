@@ -125,6 +125,24 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *
     return commit_partial(ckpt_dir)
 
 
+def write_hf_dir(weights: Any, hf_config: Any, source: str | os.PathLike, tmp: Path, meta_name: str,
+                 meta: dict[str, Any]) -> None:
+    """Write an HF model directory into `tmp` (from `prepare_partial`): safetensors shards of `weights`
+    (a policy's `iter_hf_weights()`), the HF config, `source`'s tokenizer/generation files and
+    `meta_name` holding `meta`. Collective: every rank drains `weights` (the gathers run on all of
+    them), rank 0 writes; `commit_partial` then puts the directory in place."""
+    from tools.checkpoint_convert.hf_io import write_safetensors_shards
+
+    if _rank() == 0:
+        write_safetensors_shards(weights, tmp)
+        hf_config.save_pretrained(str(tmp))
+        copy_hf_assets(source, tmp)
+        (tmp / meta_name).write_text(json.dumps(meta, indent=2))
+    else:
+        for _ in weights:
+            pass
+
+
 def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     """Copy the tokenizer/generation files present in `src` to `dst`; returns the names copied."""
     src, dst = Path(src), Path(dst)

@@ -41,6 +41,9 @@ from megatron_opd.trainer.policy import MegatronPolicy, resolve_dtype
 logger = logging.getLogger("megatron_opd.trainer")
 
 
+EXPORT_META = "opd_meta.json"
+
+
 class TrainingStopped(RuntimeError):
     """Training stopped on purpose (collapse with collapse_action=stop)."""
 
@@ -133,6 +136,7 @@ class Trainer:
         self._preflight()
         student_sd = load_hf_state_dict(cfg.model.hf_path)
         steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
+        self.hf_config = hf_config
         self.student = MegatronPolicy(hf_config, student_sd, cfg, trainable=True, total_steps=steps)
         self.ref = self._build_ref(hf_config, student_sd) if self.beta_kl > 0 else None
         del student_sd
@@ -948,10 +952,32 @@ class Trainer:
                     bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in (
                         "rollout/response_len_mean", "rollout/truncation_rate", "loss/total_loss", "loss/kl")
                         if k in metrics and metrics[k] == metrics[k]})
+            if cfg.checkpoint.export_hf and self.step >= cfg.train.steps and (ran or not self.hf_dir.is_dir()):
+                self.export_hf()
         finally:
             if bar is not None:
                 bar.close()
         return last
+
+    @property
+    def hf_dir(self) -> Path:
+        return self.out_dir / "hf"
+
+    def export_hf(self, out: Optional[Path] = None) -> Path:
+        """The student as an HF directory (default `<logging.out_dir>/hf`, replaced atomically): safetensors,
+        config and the tokenizer files of model.hf_path, plus `opd_meta.json` (step, preset, source).
+        Collective: every rank calls it."""
+        from megatron_opd.models.checkpoint import commit_partial, prepare_partial, write_hf_dir
+
+        out = Path(out) if out is not None else self.hf_dir
+        meta = {"source_model": str(self.cfg.model.hf_path), "step": self.step, "preset": self.cfg.algo.preset,
+                "weight_version": self.weight_version, "run": str(self.out_dir), "made_by": "megatron-opd train"}
+        tmp = prepare_partial(out, overwrite=True)
+        write_hf_dir(self.student.iter_hf_weights(), self.hf_config, self.cfg.model.hf_path, tmp, EXPORT_META, meta)
+        commit_partial(out)
+        if self.rank == 0:
+            logger.info("wrote the student at step %d as an HF directory: %s", self.step, out)
+        return out
 
     def _log_samples(self, k: int = 4) -> None:
         payload = getattr(self, "_last_payload", None)

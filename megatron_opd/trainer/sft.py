@@ -82,12 +82,11 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
 
     from megatron_opd.data.prompts import load_prompts
     from megatron_opd.data.sampler import PromptSampler
-    from megatron_opd.models.checkpoint import commit_partial, copy_hf_assets, prepare_partial
+    from megatron_opd.models.checkpoint import commit_partial, prepare_partial, write_hf_dir
     from megatron_opd.models.hf_config import check_family
     from megatron_opd.models.parallel import init_parallel
     from megatron_opd.models.weight_mapping import load_hf_state_dict
     from megatron_opd.trainer.policy import MegatronPolicy
-    from tools.checkpoint_convert.hf_io import write_safetensors_shards
 
     if cfg.model.hf_path is None:
         raise ValueError("model.hf_path: required (the HF directory to fine-tune)")
@@ -141,15 +140,7 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
                **(extra_meta or {})}
     if not all(math.isfinite(x) for x in (summary["nll_first"], summary["nll_last"])) and reports:
         raise RuntimeError(f"sft: non-finite loss (first {summary['nll_first']}, last {summary['nll_last']})")
-    weights = policy.iter_hf_weights()  # collective: every rank drains it, rank 0 writes
-    if torch.distributed.get_rank() == 0:
-        write_safetensors_shards(weights, tmp)
-        hf_config.save_pretrained(str(tmp))
-        copy_hf_assets(cfg.model.hf_path, tmp)
-        (tmp / META_FILE).write_text(json.dumps(summary, indent=2))
-    else:
-        for _ in weights:
-            pass
+    write_hf_dir(policy.iter_hf_weights(), hf_config, cfg.model.hf_path, tmp, META_FILE, summary)
     commit_partial(out)
     return summary
 
