@@ -38,7 +38,9 @@ class ModelConfig:
     # GPUs and CPUs with bf16 GEMMs, its time; its log-softmax is fp32 either way)
     ref_params_dtype: Literal["same", "auto", "float32", "bfloat16", "float16"] = "same"
     fp8: Optional[Literal["delayed", "tensorwise", "mxfp8", "blockwise"]] = None  # TE FP8 recipe; GPU only
-    num_attention_heads: Optional[int] = None  # filled from the HF config; set here only to validate early
+    # optional: declared to validate the TP/PP layout without reading the model (a login node); checked
+    # against model.hf_path's config.json before the run starts. The model's own values are what it uses.
+    num_attention_heads: Optional[int] = None
     num_query_groups: Optional[int] = None
     num_layers: Optional[int] = None
     # activation recompute in training: false; "full" (or true) keeps only each layer's input and reruns the

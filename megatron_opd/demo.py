@@ -20,6 +20,7 @@ import gc
 import hashlib
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -260,6 +261,9 @@ def main(argv: list[str]) -> int:
                    help="run directory (default runs/demo-<preset>; with --compare runs/demo-compare)")
     p.add_argument("--cache", default=None, help="where prepared models are kept (default ~/.cache/megatron-opd)")
     p.add_argument("--tiny", action="store_true", help="tiny random models instead of SmolLM2 (smoke test)")
+    p.add_argument("--inputs-only", action="store_true",
+                   help="prepare the models and data, copy them to <out>/models and <out>/data, and stop (with "
+                        "--tiny: the inputs examples/cpu_tiny.yaml reads from runs/cpu_tiny)")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -278,6 +282,12 @@ def main(argv: list[str]) -> int:
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))
     data = write_builtin_jsonl(out / "data", n_train=N_TRAIN, n_eval=8 if args.tiny else N_EVAL)
+    if args.inputs_only:
+        for name, src in (("student", student), ("teacher", teacher)):
+            shutil.copytree(src, out / "models" / name, dirs_exist_ok=True)
+        print(f"[demo] inputs in {out}: models/student, models/teacher, data/{data['train'].name}, "
+              f"data/{data['eval'].name}")
+        return 0
     max_new = load_config(None, demo_overrides(student, teacher, data, out, args.preset, steps, args.tiny,
                                                max_new_tokens) + list(args.overrides)).rollout.max_new_tokens
     t_acc = teacher_accuracy(teacher, data["eval"], max_new)

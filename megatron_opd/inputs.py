@@ -9,6 +9,7 @@ in seconds, instead of a traceback after the student, reference and teacher have
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -24,6 +25,24 @@ def _model_dir(key: str, path: str | None, why: str) -> None:
         raise ConfigError(f"{key}={path}: not found")
     if not (p / "config.json").is_file():
         raise ConfigError(f"{key}={path}: not an HF model directory (no config.json)")
+
+
+def _declared_sizes(cfg: Config) -> None:
+    """model.num_attention_heads / num_query_groups / num_layers, when declared (to validate a layout where
+    the models are not readable), must be the model's: a wrong one validated TP/PP against made-up numbers."""
+    try:
+        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path}: config.json unreadable ({e})") from None
+    heads = hf.get("num_attention_heads")
+    for key, declared, actual, hf_key in (
+            ("model.num_attention_heads", cfg.model.num_attention_heads, heads, "num_attention_heads"),
+            ("model.num_query_groups", cfg.model.num_query_groups, hf.get("num_key_value_heads", heads),
+             "num_key_value_heads"),
+            ("model.num_layers", cfg.model.num_layers, hf.get("num_hidden_layers"), "num_hidden_layers")):
+        if declared is not None and actual is not None and declared != actual:
+            raise ConfigError(f"{key}: {declared}, but {cfg.model.hf_path}/config.json has {hf_key}={actual} "
+                              f"(drop the key or correct it)")
 
 
 def _data_path(key: str, path: str | None) -> None:
@@ -56,6 +75,7 @@ def check_inputs(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError naming the key for the first input that cannot work. `world_size` defaults to
     torchrun's WORLD_SIZE (no check without it)."""
     _model_dir("model.hf_path", cfg.model.hf_path, "the student: an HF directory with config.json and *.safetensors")
+    _declared_sizes(cfg)
     t = cfg.teacher
     if t.backend in ("megatron", "hf") or (t.backend == "sglang" and t.server_url is None):
         _model_dir("teacher.hf_path", t.hf_path, f"the teacher model for teacher.backend={t.backend}")

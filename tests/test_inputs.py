@@ -38,6 +38,8 @@ def test_good_inputs_pass(setup, tmp_path):
     (["data.eval_paths=[math500=/nope/test.jsonl]"], "data.eval_paths[0]=/nope/test.jsonl", "not found"),
     (["data.eval_paths=[mmlu={train}]"], "data.eval_paths[0]", "unknown benchmark 'mmlu'"),
     (["optim.warmup_steps=3"], "optim.warmup_steps", "exceeds the run's 2 optimizer steps"),
+    (["model.num_layers=7"], "model.num_layers: 7, but", "num_hidden_layers="),
+    (["model.num_attention_heads=2"], "model.num_attention_heads: 2, but", "num_attention_heads=4"),
 ])
 def test_bad_inputs_name_the_key(setup, tmp_path, extra, key, msg):
     _root, student, _t, data = setup
@@ -97,5 +99,6 @@ def test_check_config_checks_paths_unless_skipped(setup, tmp_path, capsys):
     assert "config error: model.hf_path=" in capsys.readouterr().err
     assert launch_main(["check-config", "--skip-paths", "--config", example]) == 0
     assert "paths not checked" in capsys.readouterr().out
-    assert launch_main(["check-config", "--config", example, *_over(setup, tmp_path), "data.eval_paths=[]",
+    assert launch_main(["check-config", "--config", example, *_over(setup, tmp_path), "data.eval_paths=[]", "model.num_attention_heads=null",
+                       "model.num_query_groups=null", "model.num_layers=null",
                        "optim.warmup_steps=0"]) == 0
