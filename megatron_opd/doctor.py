@@ -7,6 +7,7 @@ import importlib
 import importlib.metadata as md
 import platform
 import sys
+from pathlib import Path
 
 
 def _version(dist: str) -> str:
@@ -58,6 +59,11 @@ def main(argv: list[str]) -> int:
     from megatron_opd.teacher.fidelity import check_pair, compare_teacher_server
 
     student, teacher = args.pair
+    for role, path in (("STUDENT", student), ("TEACHER", teacher)):
+        if not Path(path).is_dir():  # else transformers reads it as a hub id and says so
+            print(f"megatron-opd doctor: --pair: {role} {path}: not found (expected an HF model directory)",
+                  file=sys.stderr)
+            return 2
     try:
         pair = check_pair(student, teacher, chat_template=not args.no_chat_template)
         if args.teacher_url:

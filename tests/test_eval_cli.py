@@ -141,3 +141,15 @@ def test_local_engine_takes_dtype_and_device(tmp_path, monkeypatch):
     monkeypatch.undo()
     engine = _local_engine(build_parser().parse_args(base + ["--dtype", "bfloat16"]))  # the real engine
     assert next(engine.model.parameters()).dtype == torch.bfloat16
+
+
+def test_missing_model_directory_is_named_not_a_hub_error(tmp_path, capsys):
+    """A local path that does not exist is "not found", not transformers' "Repo id must be in the form..."."""
+    for argv, want in (([f"--model={tmp_path / 'nope'}"], f"--model {tmp_path / 'nope'}: not found"),
+                       ([f"--model={tmp_path}", f"--tokenizer={tmp_path / 'tok'}"], f"--tokenizer {tmp_path / 'tok'}: "
+                                                                                   "not found"),
+                       ([f"--model={tmp_path}"], "not an HF model directory (no config.json)")):
+        data = write_builtin_jsonl(tmp_path / "d", n_train=1, n_eval=2, seed=0)
+        assert main([*argv, "--benchmarks", f"arith={data['eval']}", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert want in err and "Repo id" not in err, err

@@ -52,6 +52,8 @@ def test_identical_pair_passes(setup, capsys):
         "tokenizer", "special_tokens", "vocab", "chat_template", "eos", "golden_end"}
     assert doctor_main(["--pair", str(student), str(teacher)]) == 0
     assert "[ok   ] eos: student and teacher stop on [2 '<|im_end|>']" in capsys.readouterr().out
+    assert doctor_main(["--pair", str(student), "/nope/teacher"]) == 2  # a missing path, not a hub-id error
+    assert "TEACHER /nope/teacher: not found" in capsys.readouterr().err
 
 
 def test_swapped_token_ids_name_the_first_differing_id(setup, tmp_path, capsys):

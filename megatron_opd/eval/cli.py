@@ -129,6 +129,11 @@ def main(argv: Optional[list[str]] = None, engine_factory: Optional[EngineFactor
         args.k = {name: args.k.get(name, 1) for name in benches}
     from transformers import AutoTokenizer
 
+    for flag, path in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        if path is not None and not Path(path).is_dir():  # else transformers reads it as a hub id and says so
+            return _fail(f"{flag} {path}: not found (expected an HF model directory)")
+    if not (Path(args.model) / "config.json").is_file() and engine_factory is None:
+        return _fail(f"--model {args.model}: not an HF model directory (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     except (OSError, ValueError) as e:
