@@ -4,12 +4,14 @@ scalars and text samples, and GPU utilisation/memory from NVML where GPUs exist.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+logger = logging.getLogger("megatron_opd.logger")
 
 
 def gpu_stats() -> dict[str, float]:
@@ -41,6 +43,20 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _open_append(path: Path) -> Any:
+    """Open a JSONL file for appending, first cutting a torn last line (a process killed mid-write) back to
+    the last complete one: appended rows would otherwise be glued onto it, and the file unreadable."""
+    if path.is_file():
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted write", path,
+                               len(data) - keep)
+                f.truncate(keep)
+    return open(path, "a")
+
+
 class RunLogger:
     """Writes only on the logging rank (rank 0); other ranks get a no-op logger."""
 
@@ -54,8 +70,8 @@ class RunLogger:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if jsonl:
-            self._jsonl = open(self.out_dir / METRICS_FILE, "a")
-            self._samples = open(self.out_dir / SAMPLES_FILE, "a")
+            self._jsonl = _open_append(self.out_dir / METRICS_FILE)
+            self._samples = _open_append(self.out_dir / SAMPLES_FILE)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -102,12 +118,16 @@ def read_metrics(run_dir: str | Path, upto_step: Optional[int] = None) -> list[d
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
     rows: dict[int, dict[str, Any]] = {}
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    text = path.read_text()
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith("\n"):  # being written, or torn by a kill
+                break
             raise ValueError(f"{path}:{lineno}: invalid JSON: {e}") from None
         if upto_step is None or row["step"] <= upto_step:
             rows[int(row["step"])] = row

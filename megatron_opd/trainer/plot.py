@@ -6,6 +6,7 @@ runs' metrics.jsonl, one colour per run. Steps where the run's collapse detector
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -65,5 +66,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="PNG path (default: <first run>/dynamics.png)")
     args = p.parse_args(argv)
     out = args.out or str(Path(args.runs[0]) / "dynamics.png")
-    print(plot_runs(args.runs, out))
+    try:
+        print(plot_runs(args.runs, out))
+    except (FileNotFoundError, ValueError) as e:  # no run there, or a damaged metrics.jsonl (file:line)
+        print(f"megatron-opd plot: {e}", file=sys.stderr)
+        return 2
     return 0
