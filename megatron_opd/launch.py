@@ -10,6 +10,7 @@ loaded their weights.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Optional
 
@@ -28,6 +29,25 @@ def summarize(cfg: Config) -> str:
             f"out={cfg.logging.out_dir}")
 
 
+def expand_hostlist(spec: str) -> list[str]:
+    """Slurm's compressed host list (`node[01-03,07],gpu-a17`) as host names, as `scontrol show hostnames`
+    prints them (zero padding kept). The dry run uses it where there is no scontrol (off-cluster)."""
+    hosts: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", spec):
+        m = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", part)
+        if m is None:
+            hosts.append(part)
+            continue
+        prefix, ranges, rest = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+                raise ValueError(f"host list {spec!r}: bad range {r!r}")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.extend(f"{prefix}{i:0{len(lo)}d}{tail}" for tail in (expand_hostlist(rest) if rest else [""]))
+    return hosts
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_opd.launch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +57,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--skip-paths", action="store_true",
                        help="do not check that the model directories and data files exist (a dry run off-cluster)")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    hosts = sub.add_parser("hostnames", help="expand a Slurm host list like `scontrol show hostnames`")
+    hosts.add_argument("nodelist")
     args = parser.parse_args(argv)
+    if args.command == "hostnames":
+        try:
+            print("\n".join(expand_hostlist(args.nodelist)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
         if not args.skip_paths:

@@ -476,3 +476,22 @@ def test_real_run_sigterm_kills_servers(fake_cluster):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def test_dry_run_off_cluster_without_scontrol(tmp_path):
+    """docs/scaling.md's dry run (`DRY_RUN=1 SLURM_JOB_NODELIST=node[01-04] bash ...`) on a machine without
+    Slurm: the host list is expanded by `python -m megatron_opd.launch hostnames` instead of failing on a
+    missing scontrol."""
+    from megatron_opd.launch import expand_hostlist
+
+    assert shutil.which("scontrol") is None or pytest.skip("this machine has scontrol: the fallback is unused")
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    env = _env(empty, ["x"], DRY_RUN="1", SLURM_JOB_NODELIST="node[01-04]", SLURM_NNODES="4")
+    res = _run("opd_70b_teacher.sbatch", env)
+    assert res.returncode == 0, res.stderr
+    assert "node01" in res.stdout and "node04" in res.stdout and "scontrol" not in res.stderr
+    assert expand_hostlist("n[1-2,07],gpu-a17,r[1-2]-n[01-02]") == [
+        "n1", "n2", "n07", "gpu-a17", "r1-n01", "r1-n02", "r2-n01", "r2-n02"]
+    with pytest.raises(ValueError, match="bad range"):
+        expand_hostlist("n[3-1]")

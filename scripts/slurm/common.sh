@@ -104,8 +104,13 @@ slurm_setup() {
     [[ -n "${SLURM_JOB_NODELIST:-}" ]] ||
         die "SLURM_JOB_NODELIST is not set: submit with sbatch (for a dry run set it and DRY_RUN=1)"
     local hosts
-    hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
-        die "scontrol show hostnames '$SLURM_JOB_NODELIST' failed"
+    if is_dry_run && ! command -v scontrol >/dev/null; then   # a dry run off-cluster: expand it ourselves
+        hosts=$("$PYTHON" -m megatron_opd.launch hostnames "$SLURM_JOB_NODELIST") ||
+            die "cannot expand SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST'"
+    else
+        hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST") ||
+            die "scontrol show hostnames '$SLURM_JOB_NODELIST' failed"
+    fi
     mapfile -t NODES <<<"$hosts"
     [[ -n "${NODES[0]:-}" ]] || die "no hosts in SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST'"
     if [[ -n "${SLURM_NNODES:-}" ]] && ((SLURM_NNODES != ${#NODES[@]})); then
