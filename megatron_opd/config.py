@@ -344,7 +344,7 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
             _apply(current, v.parsed if isinstance(v, _RawOverride) else v, key + ".")
         else:
             if isinstance(v, _RawOverride):
-                v = v.raw if _accepts_str(tp) and isinstance(v.parsed, (dict, _Unparsable)) else v.parsed
+                v = v.raw if _accepts_str(tp) and _str_wanted(tp, v.parsed) else v.parsed
             if isinstance(v, _Unparsable):
                 raise ConfigError(f"{key}: cannot parse value {v.text!r}: {v.error}")
             setattr(obj, k, _coerce(v, tp, key))
@@ -369,6 +369,17 @@ def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
     return get_origin(tp) in (Union, types.UnionType) and str in get_args(tp)
+
+
+def _str_wanted(tp: Any, parsed: Any) -> bool:
+    """A str field typed `123`, `2024`, `true` or `{problem}` on the command line means that text (a path, a
+    template), unless the field also takes that parsed type."""
+    if isinstance(parsed, (dict, list, _Unparsable)):
+        return True
+    if parsed is None or isinstance(parsed, str):
+        return False
+    args = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else (tp,)
+    return not any(isinstance(a, type) and isinstance(parsed, a) for a in args if a not in (str, type(None)))
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

@@ -137,7 +137,6 @@ def test_unknown_nested_yaml_key(tmp_path):
     (["optim.lr=true"], "optim.lr"),
     (["logging.tensorboard=maybe"], "logging.tensorboard"),
     (["logging.tensorboard=1"], "logging.tensorboard"),
-    (["data.prompt_key=3"], "data.prompt_key"),
     (["data.eval_paths=a.jsonl"], "data.eval_paths"),
     (["data.eval_paths=[a, 3]"], "data.eval_paths[1]"),
     (["algo.loss_agg_mode=mean"], "algo.loss_agg_mode"),
@@ -152,6 +151,15 @@ def test_wrong_types_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=overrides)
     assert error_key(e) == key
+
+
+def test_command_line_text_for_a_str_key_is_that_text(tmp_path):
+    """`model.hf_path=123` or `logging.out_dir=2024` on the command line are paths (they were refused as
+    numbers); a number where the key also takes numbers stays one, and YAML keeps its own types."""
+    cfg = load_config(overrides=["model.hf_path=123", "logging.out_dir=2024", "data.prompt_key=3", "model.fp8=null"])
+    assert (cfg.model.hf_path, cfg.logging.out_dir, cfg.data.prompt_key, cfg.model.fp8) == ("123", "2024", "3", None)
+    with pytest.raises(ConfigError, match="data.prompt_key: expected str"):
+        load_config(write(tmp_path, {"data": {"prompt_key": 3}}))
 
 
 def test_literal_and_optional_messages_list_the_choices():
