@@ -290,4 +290,4 @@ def test_cli_missing_model_is_one_line(tmp_path, capsys):
     rc = main(["--model", str(tmp_path / "nope"), "--benchmarks", f"aime24={ok}", "--out", str(tmp_path / "o")],
               engine_factory=_never)
     err = capsys.readouterr().err
-    assert rc == 2 and "Traceback" not in err and f"--model {tmp_path / 'nope'}: cannot load a tokenizer" in err
+    assert rc == 2 and "Traceback" not in err and f"--model {tmp_path / 'nope'}: not found" in err

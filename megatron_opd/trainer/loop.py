@@ -952,7 +952,10 @@ class Trainer:
                     bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in (
                         "rollout/response_len_mean", "rollout/truncation_rate", "loss/total_loss", "loss/kl")
                         if k in metrics and metrics[k] == metrics[k]})
-            if cfg.checkpoint.export_hf and self.step >= cfg.train.steps and (ran or not self.hf_dir.is_dir()):
+            # rank 0 decides (export is collective; out_dir need not be shared): after training, or when a
+            # finished run was killed before its export
+            if cfg.checkpoint.export_hf and self.step >= cfg.train.steps and _broadcast(
+                    bool(ran) or not self.hf_dir.is_dir()):
                 self.export_hf()
         finally:
             if bar is not None:
