@@ -27,7 +27,8 @@ def _sft(rank: int, world: int, overrides: list[str], out: str, steps: int, batc
     from megatron_opd.trainer.sft import run_sft, sft_defaults
 
     try:
-        return run_sft(load_config(None, overrides, defaults=sft_defaults(steps)), out, steps, batch, log=lambda _: None)
+        return run_sft(load_config(None, overrides, defaults=sft_defaults(steps)), out, steps, batch,
+                       log=lambda _: None)
     finally:
         destroy_parallel()
 

@@ -353,7 +353,8 @@ def test_server_url_in_engine_mode_is_refused():
     """engine mode starts an in-process sgl.Engine whatever rollout.server_url says: a URL there would be
     silently ignored (and a second SGLang started), so the combination is a config error naming the key."""
     with pytest.raises(ConfigError, match=r"rollout.server_url: .*sglang_mode=server"):
-        load_config(None, ["rollout.backend=sglang", "rollout.colocate=false", "rollout.server_url=http://gpu-a17:30000"])
+        load_config(None, ["rollout.backend=sglang", "rollout.colocate=false",
+                           "rollout.server_url=http://gpu-a17:30000"])
     assert load_config(None, ["rollout.server_url=http://gpu-a17:30000"]).rollout.backend == "local"  # not sglang
 
 

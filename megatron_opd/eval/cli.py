@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per engine.generate call")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
     p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--prompt-template", default=None, help="prompt template with {problem} (default: the trainer's data.prompt_template default)")
+    p.add_argument("--prompt-template", default=None,
+                   help="prompt template with {problem} (default: the trainer's data.prompt_template default)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt template text")
     p.add_argument("--strict-data", action="store_true", help="a bad row is an error instead of a recorded skip")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -84,7 +85,8 @@ def _local_engine(args: argparse.Namespace) -> Any:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    return LocalEngine.from_pretrained(args.model, dtype=dtype, device=device, max_batch_size=max(1, args.batch_size * k))
+    return LocalEngine.from_pretrained(args.model, dtype=dtype, device=device,
+                                       max_batch_size=max(1, args.batch_size * k))
 
 
 def _apply_preset(args: argparse.Namespace) -> None:
