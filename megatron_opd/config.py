@@ -37,6 +37,7 @@ class ModelConfig:
     # the frozen reference pi_ref: "same" as params_dtype, or its own (bfloat16 halves its memory and, on
     # GPUs and CPUs with bf16 GEMMs, its time; its log-softmax is fp32 either way)
     ref_params_dtype: Literal["same", "auto", "float32", "bfloat16", "float16"] = "same"
+    megatron_ckpt: Optional[str] = None  # removed (was never read); kept so old runs' config.yaml load; must be null
     fp8: Optional[Literal["delayed", "tensorwise", "mxfp8", "blockwise"]] = None  # TE FP8 recipe; GPU only
     # optional: declared to validate the TP/PP layout without reading the model (a login node); checked
     # against model.hf_path's config.json before the run starts. The model's own values are what it uses.
@@ -67,7 +68,9 @@ class TeacherConfig:
     pipeline_model_parallel_size: int = 1
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
     top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
-    micro_batch_size: int = 8
+    # sequences per teacher forward; null: train.micro_batch_size for a megatron teacher in the student's
+    # layout (it scores beside the student's micro-batches), 8 for the others
+    micro_batch_size: Optional[int] = None
     # an in-process (megatron or hf) teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # an in-process megatron teacher's weights wait in host memory between scoring phases (colocated GPUs:
@@ -474,6 +477,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: {msg}")
 
     a, r, p, o, t = cfg.algo, cfg.rollout, cfg.parallel, cfg.optim, cfg.train
+    need(cfg.model.megatron_ckpt is None, "model.megatron_ckpt",
+         "is not supported (it was never read): convert the checkpoint with `megatron-opd convert mcore-to-hf` "
+         "and set model.hf_path")
     need(0.0 <= a.mixture_ratio <= 1.0, "algo.mixture_ratio", f"must be in [0, 1], got {a.mixture_ratio}")
     need(a.beta_kl >= 0, "algo.beta_kl", f"must be >= 0, got {a.beta_kl}")
     need(a.lambda_gold >= 0, "algo.lambda_gold", f"must be >= 0, got {a.lambda_gold}")
@@ -541,7 +547,8 @@ def validate(cfg: Config) -> None:
     need(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     need(cfg.logging.sample_every >= 0, "logging.sample_every", "must be >= 0 (0: off)")
     need(cfg.teacher.top_k >= 0, "teacher.top_k", "must be >= 0")
-    need(cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size", "must be >= 1")
+    need(cfg.teacher.micro_batch_size is None or cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size",
+         "must be >= 1 (or null)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
     for section in ("collapse", "health"):
         sub = getattr(t, section)

@@ -170,7 +170,7 @@ def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Pat
     return [
         f"algo.preset={preset}", f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
         f"data.train_path={data['train']}", f"data.eval_paths=[arith={data['eval']}]",
-        f"train.steps={steps}", "train.prompts_per_step=4", "train.micro_batch_size=16", "teacher.micro_batch_size=16",
+        f"train.steps={steps}", "train.prompts_per_step=4", "train.micro_batch_size=16",
         f"train.eval_every={steps // 3 if steps >= 6 else steps}", "rollout.n_samples_per_prompt=2",
         f"rollout.max_new_tokens={32 if tiny else max_new_tokens}", "rollout.temperature=1.0",
         "optim.lr=5e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1",

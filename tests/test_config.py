@@ -162,6 +162,14 @@ def test_command_line_text_for_a_str_key_is_that_text(tmp_path):
         load_config(write(tmp_path, {"data": {"prompt_key": 3}}))
 
 
+def test_removed_megatron_ckpt_key(tmp_path):
+    """Run directories' config.yaml carry `megatron_ckpt: null` (dumped before the key was removed): they load;
+    a path there is refused (it was never read)."""
+    assert load_config(write(tmp_path, {"model": {"megatron_ckpt": None}})).model.megatron_ckpt is None
+    with pytest.raises(ConfigError, match="model.megatron_ckpt: is not supported"):
+        load_config(overrides=["model.megatron_ckpt=/ckpt"])
+
+
 def test_literal_and_optional_messages_list_the_choices():
     with pytest.raises(ConfigError, match=r"model\.fp8: expected one of \['delayed'.*\] or null, got 'fp4'"):
         load_config(overrides=["model.fp8=fp4"])

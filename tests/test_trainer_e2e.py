@@ -172,8 +172,8 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
     try:
         assert next(trainer.teacher.model.parameters()).dtype == torch.bfloat16
         trainer.train()  # scores in bf16, log-softmax in fp32
-        assert all(torch.isfinite(torch.tensor(v)) for k, v in read_metrics(tmp_path / "hf")[0].items()
-                   if k.startswith("logp/teacher"))
+        row = read_metrics(tmp_path / "hf")[0]
+        assert "logp/teacher_mean" in row and torch.isfinite(torch.tensor(row["logp/teacher_mean"]))
     finally:
         trainer.close()
     trainer = Trainer(_cfg(setup, tmp_path / "mg", "opd", 1, "teacher.backend=megatron", "teacher.micro_batch_size=1",
@@ -185,6 +185,13 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
                                 batch, micro_batch_size=micro_batch_size))
         trainer.train()
         assert seen == [1]
+    finally:
+        trainer.close()
+    # unset, it scores beside the student's micro-batches (train.micro_batch_size), as before the key applied:
+    # 8 would multiply the [n, T, V] response logits of a long-response run several times over
+    trainer = Trainer(_cfg(setup, tmp_path / "mg2", "opd", 1, "teacher.backend=megatron", "train.micro_batch_size=3"))
+    try:
+        assert trainer._teacher_mbs() == 3
     finally:
         trainer.close()
 

@@ -267,7 +267,7 @@ class Trainer:
                 self.teacher = HFTeacher.from_pretrained(
                     t.hf_path, dtype=resolve_dtype(t.params_dtype),
                     device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu",
-                    micro_batch_size=t.micro_batch_size)
+                    micro_batch_size=t.micro_batch_size or 8)
                 self.teacher.topk_id_limit = self._topk_id_limit(self.teacher.vocab_size)
             else:
                 from megatron_opd.rollout.base import eos_ids_from
@@ -278,7 +278,7 @@ class Trainer:
                 # the served model's config.vocab_size (SGLang labels its last id as 0: teacher/sglang.py)
                 vocab = AutoConfig.from_pretrained(t.hf_path or self.cfg.model.hf_path).vocab_size
                 self.teacher = SGLangTeacher(t.server_url or self._launch_teacher_server(), eos_token_ids=eos,
-                                             micro_batch_size=t.micro_batch_size, retries=t.retries,
+                                             micro_batch_size=t.micro_batch_size or 8, retries=t.retries,
                                              api_key=api_key_from_env(t.api_key_env), vocab_size=vocab)
 
     @contextlib.contextmanager
@@ -308,7 +308,7 @@ class Trainer:
             raise ConfigError(f"teacher.tensor_model_parallel_size x pipeline_model_parallel_size = {size} does not "
                              f"divide the {world} ranks the teacher shares with the student")
         self.layout_teacher = MegatronTeacher.from_hf(
-            t.hf_path, micro_batch_size=t.micro_batch_size, layer_spec=self.cfg.model.layer_spec,
+            t.hf_path, micro_batch_size=t.micro_batch_size or 8, layer_spec=self.cfg.model.layer_spec,
             params_dtype=resolve_dtype(t.params_dtype), pad_token_id=self.pad_id,
             layout=make_layout(t.tensor_model_parallel_size, t.pipeline_model_parallel_size))
         self.layout_teacher.topk_id_limit = self._topk_id_limit(self.layout_teacher.vocab_size)
@@ -525,6 +525,10 @@ class Trainer:
                         ids[b, : t_ids.shape[0]], lps[b, : t_lp.shape[0]] = t_ids, t_lp
                 batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
+    def _teacher_mbs(self) -> int:
+        """The megatron teacher in the student's layout: teacher.micro_batch_size, else train.micro_batch_size."""
+        return self.cfg.teacher.micro_batch_size or self.cfg.train.micro_batch_size
+
     def _attach_teacher_topk(self, batch: TrainBatch) -> None:
         """In-process megatron teacher: its top-k ids / log-probs at the golden rows' response positions
         (teacher_topk_ids / teacher_topk_logp, zeros elsewhere) for golden_loss=fkl_topk."""
@@ -532,7 +536,7 @@ class Trainer:
         if not (algo.golden_loss == "fkl_topk" and algo.lambda_gold > 0 and bool(batch.is_golden.any())):
             return
         ids, lps = self.teacher_policy.score_topk(batch, self.cfg.teacher.top_k, batch.is_golden,
-                                                  micro_batch_size=self.cfg.teacher.micro_batch_size,
+                                                  micro_batch_size=self._teacher_mbs(),
                                                   id_limit=self._topk_id_limit(self.teacher_policy.vocab_size))
         batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
 
@@ -676,7 +680,7 @@ class Trainer:
         if self.teacher_policy is not None:
             with self._teacher_weights():
                 batch.extras["teacher_logp"], _ = self.teacher_policy.score(
-                    batch, micro_batch_size=cfg.teacher.micro_batch_size)
+                    batch, micro_batch_size=self._teacher_mbs())
                 self._attach_teacher_topk(batch)
         if self.ref is not None and not full_kl:  # full KL: ref log-probs come with its per-micro-batch logits
             ref_logp, _ = self.ref.score(batch, micro_batch_size=mbs)
