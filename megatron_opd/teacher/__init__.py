@@ -13,11 +13,11 @@ def make_teacher(cfg: Any, eos_token_ids: Optional[list[int]] = None) -> Teacher
     if cfg.backend == "hf":
         from megatron_opd.teacher.hf import HFTeacher
 
-        return HFTeacher.from_pretrained(cfg.hf_path, micro_batch_size=cfg.micro_batch_size)
+        return HFTeacher.from_pretrained(cfg.hf_path, micro_batch_size=cfg.micro_batch_size or 8)
     if cfg.backend == "megatron":
         from megatron_opd.teacher.megatron import MegatronTeacher
 
-        return MegatronTeacher.from_hf(cfg.hf_path, micro_batch_size=cfg.micro_batch_size)
+        return MegatronTeacher.from_hf(cfg.hf_path, micro_batch_size=cfg.micro_batch_size or 8)
     if cfg.backend == "sglang":
         from transformers import AutoConfig
 
@@ -30,7 +30,7 @@ def make_teacher(cfg: Any, eos_token_ids: Optional[list[int]] = None) -> Teacher
         ids = eos_token_ids if eos_token_ids is not None else eos_ids_from(cfg.hf_path)
         # the served model's vocab size lets the client undo SGLang's last-id label bug (teacher/sglang.py)
         vocab = AutoConfig.from_pretrained(cfg.hf_path).vocab_size if cfg.hf_path else None
-        return SGLangTeacher(cfg.server_url, eos_token_ids=ids, micro_batch_size=cfg.micro_batch_size,
+        return SGLangTeacher(cfg.server_url, eos_token_ids=ids, micro_batch_size=cfg.micro_batch_size or 8,
                              retries=cfg.retries, api_key=api_key_from_env(cfg.api_key_env), vocab_size=vocab)
     raise ValueError(f"teacher.backend: unknown {cfg.backend!r} (expected megatron, sglang or hf)")
 
