@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
     from megatron_opd.models.weight_mapping import WeightMappingError
     from megatron_opd.teacher.fidelity import PairMismatchError
     from megatron_opd.trainer.loop import Trainer, TrainingStopped
+    from megatron_opd.trainer.preempt import PREEMPTED_EXIT, Preempted
 
     # Errors about what the user gave (config, paths, data, model files, checkpoints): one line, no traceback.
     input_errors = (ConfigError, DataError, HFConfigError, WeightMappingError, CheckpointError)
@@ -42,6 +43,9 @@ def main(argv: list[str]) -> int:
     except TrainingStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+        return PREEMPTED_EXIT
     except PairMismatchError as e:
         print(f"preflight: {e}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from megatron_opd.models.hf_config import check_family
 from megatron_opd.models.parallel import host_group
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.policy import MegatronPolicy, resolve_dtype
+from megatron_opd.trainer.preempt import Preempted, PreemptionWatch
 
 logger = logging.getLogger("megatron_opd.trainer")
 
@@ -182,6 +183,7 @@ class Trainer:
             step = _broadcast(self.ckpt.latest_step() if self.rank == 0 else None)
             if step is not None:
                 self.resume(step)
+        self.preempt = PreemptionWatch(self.out_dir, self.rank)
 
     # -- construction --------------------------------------------------------------------------
 
@@ -947,9 +949,16 @@ class Trainer:
                         bar.n = self.step
                         bar.refresh()
                     continue
-                if (self.step % cfg.checkpoint.save_every == 0 or self.step == cfg.train.steps
-                        or ran == stop_after):
+                saved = (self.step % cfg.checkpoint.save_every == 0 or self.step == cfg.train.steps
+                         or ran == stop_after)
+                if saved:
                     self.save()
+                reason = self.preempt.requested()
+                if reason:
+                    if not saved:
+                        self.save()
+                    self.preempt.mark(self.step, reason)
+                    raise Preempted(self.step, reason)
                 last = metrics
                 if bar is not None:
                     bar.update(1)
@@ -997,6 +1006,8 @@ class Trainer:
             for i in range(min(k, len(payload["texts"])))])
 
     def close(self) -> None:
+        if getattr(self, "preempt", None) is not None:
+            self.preempt.close()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         self.log.close()
