@@ -57,6 +57,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--skip-paths", action="store_true",
                        help="do not check that the model directories and data files exist (a dry run off-cluster)")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    layout = sub.add_parser("layout", help="print the student's 'TP PP' (the sbatch scripts' convert check)")
+    layout.add_argument("--config", required=True, help="YAML file")
+    layout.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     hosts = sub.add_parser("hostnames", help="expand a Slurm host list like `scontrol show hostnames`")
     hosts.add_argument("nodelist")
     args = parser.parse_args(argv)
@@ -66,6 +69,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "layout":
+        try:
+            p = load_config(args.config, args.overrides).parallel
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        print(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
         return 0
     try:
         cfg = load_config(args.config, args.overrides)

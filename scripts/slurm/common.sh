@@ -8,9 +8,22 @@
 # DRY_RUN=1 prints each command that would run (a "+ " line, shell-quoted) and starts nothing;
 # tests use it with a fake `scontrol` to check the rendered commands.
 #
-# Knobs (env): PYTHON, TORCHRUN, SRUN, SRUN_ARGS (extra srun options, e.g. "--gres=gpu:8"),
-# SERVER_TIMEOUT (s), POLL_INTERVAL (s), MASTER_ADDR, MASTER_PORT, CHECK_CONFIG=0 (skip the
-# config check before the servers start), SGLANG_API_KEY (default: a random key per job).
+# Knobs (env): PYTHON (default: the checkout's .venv/bin/python when there is one, else python3), TORCHRUN
+# (default: the torchrun beside PYTHON), SRUN, SRUN_ARGS (extra srun options), SERVER_TIMEOUT (s),
+# POLL_INTERVAL (s), MASTER_ADDR, MASTER_PORT, CHECK_CONFIG=0 (skip the config check before the servers
+# start), SGLANG_API_KEY (default: a random key per job), GPUS_PER_NODE (default: Slurm's
+# SLURM_GPUS_PER_NODE, else 8; 0 = CPU/gloo: no GPUs are bound and each node runs NPROC_PER_NODE training
+# ranks, default 1), CONVERT_CHECK=1 (before training: hf->mcore at the training layout across the
+# nodes, then mcore->hf --verify), EVAL_ARGS (after training: `megatron-opd eval` arguments for the
+# exported student, e.g. "--benchmarks math500 --k 1"), PREEMPT_GRACE (s a preempted job waits for every
+# rank to checkpoint, default 120).
+#
+# Addresses: node names come from `scontrol show hostnames`; each is used as a network address only when
+# `getent hosts` resolves it, else the node's NodeAddr from `scontrol show node` (names need not resolve).
+#
+# Preemption: the scripts ask for `--signal=B:USR1@300 --requeue`. On USR1 the batch shell writes
+# $OUT/preempt.request; the trainer finishes its step, checkpoints, writes $OUT/preempted.json and exits;
+# the script then requeues the job (`scontrol requeue`), and the requeued job resumes from that checkpoint.
 #
 # API key: the servers accept weight updates, so each gets --api-key. The key is SGLANG_API_KEY,
 # generated per job from /dev/urandom unless set, exported so the trainer (srun passes the
@@ -19,21 +32,37 @@
 # is in neither this script's output nor srun's command line (it is in the server's own argv there).
 
 DRY_RUN="${DRY_RUN:-0}"
-PYTHON="${PYTHON:-python}"
-TORCHRUN="${TORCHRUN:-torchrun}"
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=python3
+    [[ -x "${REPO_ROOT:-.}/.venv/bin/python" ]] && PYTHON="${REPO_ROOT:-.}/.venv/bin/python"
+fi
+if [[ -z "${TORCHRUN:-}" ]]; then
+    TORCHRUN=torchrun
+    [[ "$PYTHON" == */* && -x "$(dirname "$PYTHON")/torchrun" ]] && TORCHRUN="$(dirname "$PYTHON")/torchrun"
+fi
+GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_PER_NODE:-8}}"
+GPUS_PER_NODE="${GPUS_PER_NODE##*:}"   # Slurm may write "gpu:8" / "a100:8"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+CONVERT_CHECK="${CONVERT_CHECK:-0}"
+EVAL_ARGS="${EVAL_ARGS:-}"
+PREEMPT_GRACE="${PREEMPT_GRACE:-120}"
 SRUN="${SRUN:-srun}"
 SRUN_ARGS="${SRUN_ARGS:-}"
 SERVER_TIMEOUT="${SERVER_TIMEOUT:-1800}"
 POLL_INTERVAL="${POLL_INTERVAL:-10}"
 CHECK_CONFIG="${CHECK_CONFIG:-1}"
 
-NODES=()        # hostnames of the job, in SLURM order
+NODES=()        # node names of the job, in SLURM order (for --nodelist)
+ADDRS=()        # their network addresses (for servers, URLs and rendezvous), same order
+PREEMPT_REQUESTED=0
+OUT_DIR=""      # set by prepare_out_dir: where the preemption request and marker live
 BG_PIDS=()      # every background step started here; killed on exit
 SERVER_NAMES=()
 SERVER_URLS=()
 SERVER_PIDS=()
 SERVER_LOGS=()
 TRAIN_PIDS=()
+TRAIN_NODE_NAMES=()
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -116,8 +145,65 @@ slurm_setup() {
     if [[ -n "${SLURM_NNODES:-}" ]] && ((SLURM_NNODES != ${#NODES[@]})); then
         die "SLURM_NNODES=$SLURM_NNODES but SLURM_JOB_NODELIST expands to ${#NODES[@]} hosts"
     fi
+    local name
+    for name in "${NODES[@]}"; do ADDRS+=("$(node_addr "$name")"); done
+    [[ "$GPUS_PER_NODE" =~ ^[0-9]+$ ]] || die "GPUS_PER_NODE='$GPUS_PER_NODE': expected a number (0 = CPU/gloo)"
+    [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE='$NPROC_PER_NODE': expected a positive number"
+    if ! is_dry_run; then
+        "$PYTHON" -c 'import torch, megatron_opd' 2>/dev/null ||
+            die "PYTHON='$PYTHON' cannot import torch and megatron_opd: set PYTHON to the python of the venv that has megatron-opd installed (make venv makes $REPO_ROOT/.venv)"
+    fi
+    ((${SLURM_RESTART_COUNT:-0} == 0)) || log "requeued job (restart ${SLURM_RESTART_COUNT}): training resumes from its last checkpoint"
     export MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
     install_cleanup_trap
+    trap on_preempt_signal USR1
+}
+
+# node_addr NAME: NAME when it resolves (getent), else the node's NodeAddr from Slurm.
+node_addr() {
+    local name=$1 addr
+    if getent hosts "$name" >/dev/null 2>&1; then
+        echo "$name"
+        return 0
+    fi
+    addr=$(scontrol show node "$name" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
+    if [[ -n "$addr" ]]; then
+        echo "$addr"
+    elif is_dry_run; then
+        echo "$name"
+    else
+        die "node '$name' does not resolve (getent hosts) and 'scontrol show node $name' gives no NodeAddr"
+    fi
+}
+
+# addr_of NODE: the address slurm_setup found for NODE.
+addr_of() {
+    local i
+    for ((i = 0; i < ${#NODES[@]}; i++)); do
+        [[ "${NODES[i]}" == "$1" ]] && { echo "${ADDRS[i]}"; return 0; }
+    done
+    die "addr_of: '$1' is not a node of this job"
+}
+
+# The batch shell got USR1 (`#SBATCH --signal=B:USR1@N` or `scancel --batch --signal=USR1`): ask the
+# trainer to checkpoint and stop at the end of its step (trainer/preempt.py reads the request file).
+on_preempt_signal() {
+    PREEMPT_REQUESTED=1
+    log "preemption signal: asking the trainer to checkpoint and stop (${OUT_DIR:-?}/preempt.request)"
+    [[ -n "$OUT_DIR" ]] && : >"$OUT_DIR/preempt.request"
+}
+
+# requeue_if_preempted: after training stopped, when the trainer checkpointed on a request
+# ($OUT_DIR/preempted.json), requeue the job and exit 0; otherwise return.
+requeue_if_preempted() {
+    [[ -n "$OUT_DIR" && -f "$OUT_DIR/preempted.json" ]] || return 0
+    log "trainer checkpointed on preemption: $(cat "$OUT_DIR/preempted.json")"
+    if [[ -n "${SLURM_JOB_ID:-}" ]] && scontrol requeue "$SLURM_JOB_ID"; then
+        log "job $SLURM_JOB_ID requeued; it resumes from the checkpoint"
+    else
+        log "could not requeue job ${SLURM_JOB_ID:-?} (submit with --requeue?): resubmit it to resume"
+    fi
+    exit 0
 }
 
 require_nodes() {
@@ -125,6 +211,7 @@ require_nodes() {
 }
 
 prepare_out_dir() {
+    OUT_DIR=$1
     is_dry_run || mkdir -p "$1/logs"
 }
 
@@ -135,10 +222,29 @@ check_config() {
     shift
     [[ -f "$config" ]] || die "config file '$config' not found (relative paths are from $(pwd))"
     [[ "$CHECK_CONFIG" == 1 ]] || return 0
-    local skip=()
-    is_dry_run && skip=(--skip-paths)   # a dry run off-cluster has no model or data paths to check
-    "$PYTHON" -m megatron_opd.launch check-config ${skip[@]+"${skip[@]}"} --config "$config" "$@" >&2 ||
-        die "config check failed for $config (see the message above)"
+    if is_dry_run; then   # a dry run off-cluster has no model or data paths to check
+        "$PYTHON" -m megatron_opd.launch check-config --skip-paths --config "$config" "$@" >&2 ||
+            die "config check failed for $config (see the message above)"
+        return 0
+    fi
+    # The job's first step, on every node: each sees the paths through its own mounts, and WORLD_SIZE
+    # (CHECK_WORLD_SIZE, set by the script to its training ranks) is checked against the layout.
+    local n=${#NODES[@]}
+    "$SRUN" --nodes="$n" --ntasks="$n" --ntasks-per-node=1 \
+        env ${CHECK_WORLD_SIZE:+WORLD_SIZE="$CHECK_WORLD_SIZE"} \
+        "$PYTHON" -m megatron_opd.launch check-config --config "$config" "$@" >&2 ||
+        die "config check failed for $config on the job's nodes (see the message above)"
+}
+
+# ranks_per_node GPUS: training ranks a node runs (the GPUs listed, or NPROC_PER_NODE without GPUs).
+ranks_per_node() {
+    if ((GPUS_PER_NODE == 0)); then echo "$NPROC_PER_NODE"; else gpu_count "$1"; fi
+}
+
+# server_url NAME NODE PORT: NAME_URL (e.g. ROLLOUT_URL) when set, else http://<NODE's address>:PORT.
+server_url() {
+    local var="${1^^}_URL"
+    if [[ -n "${!var:-}" ]]; then echo "${!var}"; else echo "http://$(addr_of "$2"):$3"; fi
 }
 
 # ensure_api_key: SGLANG_API_KEY for this job's servers and trainer (see the header); never echoed.
@@ -162,7 +268,8 @@ srun_prefix() {
     local node=$1 gpus=$2
     local -a extra=()
     [[ -n "$SRUN_ARGS" ]] && read -r -a extra <<<"$SRUN_ARGS"
-    SRUN_PREFIX=("$SRUN" --overlap --nodes=1 --ntasks=1 --nodelist="$node" "${extra[@]}"
+    ((GPUS_PER_NODE > 0)) || gpus=""   # CPU/gloo: no GPU is visible to the step
+    SRUN_PREFIX=("$SRUN" --overlap --nodes=1 --ntasks=1 --nodelist="$node" ${extra[@]+"${extra[@]}"}
         env CUDA_VISIBLE_DEVICES="$gpus")
 }
 
@@ -176,8 +283,8 @@ start_sglang() {
     shift 8
     local -a nodes
     IFS=, read -r -a nodes <<<"$nodes_csv"
-    local nnodes=${#nodes[@]} ngpu
-    ngpu=$(gpu_count "$gpus")
+    local nnodes=${#nodes[@]} ngpu=1
+    ((GPUS_PER_NODE == 0)) || ngpu=$(gpu_count "$gpus")
     [[ -n "$model" ]] || die "$name: model path is empty"
     [[ "$tp" =~ ^[1-9][0-9]*$ && "$pp" =~ ^[1-9][0-9]*$ ]] || die "$name: tp=$tp pp=$pp must be positive integers"
     local total=$((ngpu * nnodes))
@@ -188,9 +295,13 @@ start_sglang() {
     is_dry_run || [[ -e "$model" ]] ||
         log "warning: $name model '$model' not found on $(hostname) (fine for a hub id or a path mounted only on the compute nodes)"
     ensure_api_key
-    local head=${nodes[0]} i
+    local head i host_var="${name^^}_HOST"
+    head=$(addr_of "${nodes[0]}")
     for ((i = 0; i < nnodes; i++)); do
-        local -a cmd=("${WRAP_KEY[@]}" "$PYTHON" -m sglang.launch_server --model-path "$model" --host "${nodes[i]}"
+        local bind
+        bind=$(addr_of "${nodes[i]}")
+        ((i == 0)) && [[ -n "${!host_var:-}" ]] && bind=${!host_var}   # ROLLOUT_HOST / TEACHER_HOST: bind address
+        local -a cmd=("${WRAP_KEY[@]}" "$PYTHON" -m sglang.launch_server --model-path "$model" --host "$bind"
             --port "$port" --tp-size "$tp" --dp-size "$dp" --skip-tokenizer-init)
         ((pp > 1)) && cmd+=(--pp-size "$pp")
         ((nnodes > 1)) && cmd+=(--nnodes "$nnodes" --node-rank "$i" --dist-init-addr "$head:$((port + 1000))")
@@ -199,7 +310,7 @@ start_sglang() {
         launch_bg "$out/logs/sglang_$name.node$i.log" "${SRUN_PREFIX[@]}" "${cmd[@]}"
         if ((i == 0)); then
             SERVER_NAMES+=("$name")
-            SERVER_URLS+=("http://$head:$port")
+            SERVER_URLS+=("$(server_url "$name" "${nodes[0]}" "$port")")
             SERVER_PIDS+=("$LAST_PID")
             SERVER_LOGS+=("$out/logs/sglang_$name.node0.log")
         fi
@@ -243,6 +354,7 @@ wait_for_servers() {
 # one_replica NAME GPUS TP: the rollout server must be one replica (tp = its GPUs on one node): the
 # trainer's weight group ranks SGLang's side as 1 + tp_rank, so data-parallel replicas would collide.
 one_replica() {
+    ((GPUS_PER_NODE > 0)) || return 0
     local n
     n=$(gpu_count "$2")
     ((n == $3)) || die "$1: disaggregated weight sync needs one SGLang replica: set ROLLOUT_TP=$n (the number of ROLLOUT_GPUS), got $3"
@@ -257,8 +369,9 @@ start_training() {
     local -a nodes
     IFS=, read -r -a nodes <<<"$nodes_csv"
     local nnodes=${#nodes[@]} nproc i
-    nproc=$(gpu_count "$gpus")
-    local master=${MASTER_ADDR:-${nodes[0]}}
+    nproc=$(ranks_per_node "$gpus")
+    local master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
+    TRAIN_NPROC=$nproc
     # where a disaggregated rollout server reaches trainer rank 0 for the weight-sync rendezvous
     export MEGATRON_OPD_WEIGHT_SYNC_ADDR="${MEGATRON_OPD_WEIGHT_SYNC_ADDR:-$master}"
     for ((i = 0; i < nnodes; i++)); do
@@ -269,27 +382,31 @@ start_training() {
             --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$MASTER_PORT" \
             -m megatron_opd.cli train "$@"
         TRAIN_PIDS+=("$LAST_PID")
+        TRAIN_NODE_NAMES+=("${nodes[i]}")
     done
 }
 
-# wait_training: return when every torchrun exited 0; die on the first failure, or when a server
-# dies while training still runs (the trainer would otherwise hang on its requests).
+# wait_training: return when every torchrun exited 0. A failure dies naming the node and its ranks, and the
+# EXIT trap stops the other nodes' steps (a rank killed mid-step leaves the others in a collective), unless
+# the trainer checkpointed on a preemption request: then wait (PREEMPT_GRACE) for every node and requeue.
+# Also dies when a server dies while training still runs (the trainer would otherwise hang on it).
 wait_training() {
     is_dry_run && return 0
-    local -a pending=("${TRAIN_PIDS[@]}")
+    local -a pending=("${!TRAIN_PIDS[@]}")
     while ((${#pending[@]} > 0)); do
         local -a still=()
-        local pid rc i
-        for pid in "${pending[@]}"; do
+        local idx pid rc i
+        for idx in "${pending[@]}"; do
+            pid=${TRAIN_PIDS[idx]}
             if kill -0 "$pid" 2>/dev/null; then
-                still+=("$pid")
+                still+=("$idx")
             else
                 rc=0
                 wait "$pid" || rc=$?
-                ((rc == 0)) || die "training step (pid $pid) exited with status $rc"
+                ((rc == 0)) || training_failed "$idx" "$rc"
             fi
         done
-        pending=("${still[@]}")
+        pending=(${still[@]+"${still[@]}"})
         ((${#pending[@]} > 0)) || break
         for ((i = 0; i < ${#SERVER_PIDS[@]}; i++)); do
             kill -0 "${SERVER_PIDS[i]}" 2>/dev/null ||
@@ -297,5 +414,74 @@ wait_training() {
         done
         sleep "$POLL_INTERVAL"
     done
+    requeue_if_preempted
     log "training finished"
+}
+
+# training_failed INDEX RC: a node's torchrun exited RC != 0.
+training_failed() {
+    local idx=$1 rc=$2 nproc=${TRAIN_NPROC:-1}
+    if ((PREEMPT_REQUESTED)) || [[ -n "$OUT_DIR" && ( -f "$OUT_DIR/preempt.request" || -f "$OUT_DIR/preempted.json" ) ]]; then
+        local deadline=$((SECONDS + PREEMPT_GRACE)) pid
+        for pid in "${TRAIN_PIDS[@]}"; do
+            while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+        done
+        requeue_if_preempted
+    fi
+    die "training on node ${TRAIN_NODE_NAMES[idx]} (node_rank $idx, global ranks $((idx * nproc))-$((idx * nproc + nproc - 1))) exited with status $rc; the other nodes' ranks are stopped. Its log: ${OUT_DIR:-.}/logs/train.node$idx.log (node 0: the job's output). Resubmit to resume from the last complete checkpoint."
+}
+
+# convert_check NODES_CSV GPUS OUT_DIR MODEL TP PP: the student through the converter at the training
+# layout before any training: hf->mcore with one torchrun per node (so a PP/TP layout spans the nodes),
+# then mcore->hf on the first node with --verify (megatron vs HF logits). Writes OUT_DIR/convert/.
+convert_check() {
+    local nodes_csv=$1 gpus=$2 out=$3 model=$4 tp=$5 pp=$6
+    local -a nodes
+    IFS=, read -r -a nodes <<<"$nodes_csv"
+    local nnodes=${#nodes[@]} nproc i master backend=nccl
+    nproc=$(ranks_per_node "$gpus")
+    ((GPUS_PER_NODE > 0)) || backend=gloo
+    ((nnodes * nproc == tp * pp)) ||
+        die "CONVERT_CHECK: tp*pp=$((tp * pp)) must equal the ranks of nodes $nodes_csv ($nnodes x $nproc)"
+    master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
+    log "convert check: hf->mcore tp=$tp pp=$pp over $nodes_csv, then mcore->hf --verify"
+    local -a pids=()
+    for ((i = 0; i < nnodes; i++)); do
+        local logfile=-
+        ((i == 0)) || logfile="$out/logs/convert.node$i.log"
+        srun_prefix "${nodes[i]}" "$gpus"
+        launch_bg "$logfile" "${SRUN_PREFIX[@]}" "$TORCHRUN" --nnodes="$nnodes" --nproc_per_node="$nproc" \
+            --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$((MASTER_PORT + 1))" \
+            -m megatron_opd.cli convert hf-to-mcore --hf "$model" --out "$out/convert/mcore" --tp "$tp" --pp "$pp" \
+            --backend "$backend" --overwrite
+        pids+=("$LAST_PID")
+    done
+    is_dry_run || for ((i = 0; i < nnodes; i++)); do
+        wait "${pids[i]}" || die "convert hf-to-mcore failed on node ${nodes[i]} (node_rank $i)"
+    done
+    srun_prefix "${nodes[0]}" "$gpus"
+    run_step "${SRUN_PREFIX[@]}" "$PYTHON" -m megatron_opd.cli convert mcore-to-hf --ckpt "$out/convert/mcore" \
+        --out "$out/convert/hf" --tp 1 --pp 1 --backend "$backend" --overwrite --verify ||
+        die "convert mcore-to-hf --verify failed (see above)"
+}
+
+# eval_export NODE GPUS OUT_DIR: `megatron-opd eval` of the trained student (OUT_DIR/hf) with EVAL_ARGS.
+eval_export() {
+    [[ -n "$EVAL_ARGS" ]] || return 0
+    local node=$1 gpus=$2 out=$3
+    local -a args
+    read -r -a args <<<"$EVAL_ARGS"
+    srun_prefix "$node" "$gpus"
+    run_step "${SRUN_PREFIX[@]}" "$PYTHON" -m megatron_opd.cli eval --model "$out/hf" --out "$out/eval" \
+        --no-progress "${args[@]}" || die "eval of $out/hf failed (see above)"
+    log "eval of the exported student: $out/eval/results.md"
+}
+
+# run_step CMD...: run CMD in the foreground (dry run: print it).
+run_step() {
+    if is_dry_run; then
+        show_cmd "$@"
+        return 0
+    fi
+    "$@"
 }
