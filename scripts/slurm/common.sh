@@ -418,7 +418,9 @@ wait_training() {
     log "training finished"
 }
 
-# training_failed INDEX RC: a node's torchrun exited RC != 0.
+# training_failed INDEX RC: a node's torchrun exited RC != 0. Waits a moment for the others (a rank that
+# dies takes its peers' collectives down with it), then names every node that failed and the rank and exit
+# code torchrun reports as the root cause, and dies (the EXIT trap stops what is left).
 training_failed() {
     local idx=$1 rc=$2 nproc=${TRAIN_NPROC:-1}
     if ((PREEMPT_REQUESTED)) || [[ -n "$OUT_DIR" && ( -f "$OUT_DIR/preempt.request" || -f "$OUT_DIR/preempted.json" ) ]]; then
@@ -428,7 +430,23 @@ training_failed() {
         done
         requeue_if_preempted
     fi
-    die "training on node ${TRAIN_NODE_NAMES[idx]} (node_rank $idx, global ranks $((idx * nproc))-$((idx * nproc + nproc - 1))) exited with status $rc; the other nodes' ranks are stopped. Its log: ${OUT_DIR:-.}/logs/train.node$idx.log (node 0: the job's output). Resubmit to resume from the last complete checkpoint."
+    sleep 2
+    local -a failed=("node ${TRAIN_NODE_NAMES[idx]} (node_rank $idx, ranks $((idx * nproc))-$((idx * nproc + nproc - 1))) status $rc")
+    local i code cause
+    for ((i = 0; i < ${#TRAIN_PIDS[@]}; i++)); do
+        ((i == idx)) && continue
+        kill -0 "${TRAIN_PIDS[i]}" 2>/dev/null && continue
+        code=0
+        wait "${TRAIN_PIDS[i]}" 2>/dev/null || code=$?
+        ((code == 0)) || failed+=("node ${TRAIN_NODE_NAMES[i]} (node_rank $i) status $code")
+    done
+    cause=""
+    if [[ -n "$OUT_DIR" ]]; then   # torchrun's "Root Cause (first observed failure)" of the other nodes' logs
+        cause=$(cat "$OUT_DIR"/logs/train.node*.log 2>/dev/null | grep -A6 'Root Cause' |
+            sed -n 's/^ *\(rank\|exitcode\) *: /\1 /p' | paste -sd' ' -) || cause=""
+    fi
+    local IFS=';'
+    die "training failed: ${failed[*]}${cause:+; torchrun root cause: $cause}; the remaining ranks are stopped. Logs: ${OUT_DIR:-.}/logs/train.node*.log (node 0: the job's output). Resubmit to resume from the last complete checkpoint."
 }
 
 # convert_check NODES_CSV GPUS OUT_DIR MODEL TP PP: the student through the converter at the training
