@@ -9,7 +9,7 @@ PIP_VERSION ?= 26.3
 # that passed) so that a new PyPI release cannot change what the tests run against.
 LOCK = requirements/lock-main.txt
 
-.PHONY: venv test test-all bench bench-step demo clean venv-py312 test-py312 check-py312
+.PHONY: venv test test-all test-slurm bench bench-step demo clean venv-py312 test-py312 check-py312
 
 $(VENV)/.installed: setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,19 @@ test: venv
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-all: venv
-	$(VENV)/bin/python -m pytest -q -m "slow or not slow" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slurm" $(PYTEST_ARGS)
+
+# A real Slurm cluster on this machine (scripts/slurm/local_cluster.sh: slurmctld + 2 slurmd on 127.0.0.1,
+# munge; installs Debian's slurm-wlm and munge if missing, needs root) runs the project's sbatch scripts:
+# the tests marked `slurm` (tests/test_slurm_cluster.py). The cluster is stopped even when a test fails.
+SLURM_LOCAL_DIR ?= /tmp/megatron-opd-slurm-test
+SLURM_PYTEST_ARGS ?=
+test-slurm: venv
+	@start=$$(date +%s); export SLURM_LOCAL_DIR=$(SLURM_LOCAL_DIR) SLURM_LOCAL_PORT=$${SLURM_LOCAL_PORT:-6817}; \
+	trap 'scripts/slurm/local_cluster.sh down; echo "test-slurm: $$(( $$(date +%s) - start )) s"' EXIT; \
+	scripts/slurm/local_cluster.sh up --nodes 2 && \
+	SLURM_CONF=$(SLURM_LOCAL_DIR)/slurm.conf MEGATRON_OPD_STRICT_SKIPS=1 \
+		$(VENV)/bin/python -m pytest -q -rfEsp -m slurm $(SLURM_PYTEST_ARGS)
 
 bench: venv
 	$(VENV)/bin/python benchmarks/bench_objective.py
