@@ -8,6 +8,7 @@ nccl with CUDA, gloo without (after applying the CPU shims).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.models.cpu_compat import apply_cpu_shims
+
+logger = logging.getLogger("megatron_opd.parallel")
 
 Backend = Literal["auto", "nccl", "gloo"]
 
@@ -37,6 +40,24 @@ def resolve_backend(backend: Backend = "auto") -> str:
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"parallel.backend: must be auto, nccl or gloo, got {backend!r}")
     return backend
+
+
+def _elastic_store(world: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under torchrun's c10d rendezvous the workers share the agents' store across restarts (--max-restarts),
+    and torch adds no per-attempt prefix there: restarted workers read the previous attempt's gloo/NCCL
+    addresses and fail to connect. A prefix per TORCHELASTIC_RESTART_COUNT keeps each attempt apart. None
+    (torch's own env:// store) everywhere else."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or world == 1:
+        return None
+    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and int(os.environ.get("RANK", "0")) == 0
+            and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1):
+        # an agent restarted for another node's failure keeps its restart count: the prefixes can differ
+        logger.warning("torchrun --max-restarts over several nodes with the c10d rendezvous's shared store: "
+                       "restarted workers can hang connecting; launch torchrun with "
+                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per attempt; README, multi-node torchrun)")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"megatron_opd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def init_parallel(
@@ -74,8 +95,8 @@ def init_parallel(
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-        dist.init_process_group(backend=be, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=be, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes),
+                                store=_elastic_store(world, timedelta(minutes=timeout_minutes)))
 
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
