@@ -372,6 +372,10 @@ start_training() {
     nproc=$(ranks_per_node "$gpus")
     local master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
     TRAIN_NPROC=$nproc
+    # CPU threads per rank follow the allocation (torchrun would pin 1 per worker otherwise)
+    if [[ -z "${OMP_NUM_THREADS:-}" && -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+        export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / nproc > 0 ? SLURM_CPUS_PER_TASK / nproc : 1))
+    fi
     # where a disaggregated rollout server reaches trainer rank 0 for the weight-sync rendezvous
     export MEGATRON_OPD_WEIGHT_SYNC_ADDR="${MEGATRON_OPD_WEIGHT_SYNC_ADDR:-$master}"
     for ((i = 0; i < nnodes; i++)); do
