@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -114,8 +115,11 @@ def _train_config(argv: list[str]):
     return rest[1], load_config(config, rest[2:])
 
 
-def _check_layout(cmds: list[list[str]], gpus_per_node: int = 8):
-    """Invariants every layout must satisfy; returns (servers, trains, cfg)."""
+def _check_layout(cmds: list[list[str]], gpus_per_node: int = 8, addrs: Optional[dict[str, str]] = None,
+                  binds: Optional[dict[str, str]] = None):
+    """Invariants every layout must satisfy; returns (servers, trains, cfg). `addrs`: node name -> the
+    address used for it (default: the name); `binds`: node name -> a server bind address set by the user."""
+    addrs, binds = addrs or {}, binds or {}
     servers, trains = _split(cmds)
     used: dict[str, list[int]] = {}
     for node, gpus, _ in servers + [t for t in trains]:
@@ -128,7 +132,7 @@ def _check_layout(cmds: list[list[str]], gpus_per_node: int = 8):
         tp, dp = int(_flag(argv, "--tp-size")), int(_flag(argv, "--dp-size"))
         pp = int(_flag(argv, "--pp-size")) if "--pp-size" in argv else 1
         assert len(gpus) * nnodes == tp * pp * dp
-        assert _flag(argv, "--host") == node
+        assert _flag(argv, "--host") == binds.get(node, addrs.get(node, node))
         assert "--skip-tokenizer-init" in argv  # the in-tree clients send and read token ids
     nnodes = {int(_flag(a, "--nnodes")) for _, _, a in trains}
     assert nnodes == {len(trains)}
@@ -136,7 +140,7 @@ def _check_layout(cmds: list[list[str]], gpus_per_node: int = 8):
     assert ranks == list(range(len(trains)))
     endpoints = {_flag(a, "--rdzv_endpoint") for _, _, a in trains}
     rank0_node = next(n for n, _, a in trains if _flag(a, "--node_rank") == "0")
-    assert endpoints == {f"{rank0_node}:{29500 + 4242 % 1000}"}
+    assert endpoints == {f"{addrs.get(rank0_node, rank0_node)}:{29500 + 4242 % 1000}"}
     for node, gpus, argv in trains:
         assert int(_flag(argv, "--nproc_per_node")) == len(gpus)
         assert _flag(argv, "--rdzv_backend") == "static"
@@ -499,3 +503,72 @@ def test_dry_run_off_cluster_without_scontrol(tmp_path):
         "n1", "n2", "n07", "gpu-a17", "r1-n01", "r1-n02", "r2-n01", "r2-n02"]
     with pytest.raises(ValueError, match="bad range"):
         expand_hostlist("n[3-1]")
+
+
+@pytest.fixture
+def fake_bin_addrs(fake_bin: Path) -> Path:
+    """fake_bin whose `scontrol show node NAME -o` gives NodeAddr=10.0.0.<digits of NAME> (names do not resolve)."""
+    _write_exe(fake_bin / "scontrol", '#!/bin/sh\n'
+               'if [ "$1 $2" = "show hostnames" ]; then echo "$3" | tr "," "\\n"; exit 0; fi\n'
+               'if [ "$1 $2" = "show node" ]; then echo "NodeName=$3 NodeAddr=10.0.0.$(echo $3 | tr -dc 0-9) State=IDLE"; exit 0; fi\n'
+               'echo "bad args: $*" >&2; exit 2\n')
+    return fake_bin
+
+
+def test_unresolvable_node_names_use_slurm_node_addr(fake_bin_addrs):
+    """Node names that getent cannot resolve: servers bind, URLs and the rendezvous use Slurm's NodeAddr,
+    while srun still places steps by node name."""
+    cmds = _dry("opd_7b.sbatch", fake_bin_addrs, ["zz-opd-n1", "zz-opd-n2"])
+    servers, trains, cfg = _check_layout(cmds, addrs={"zz-opd-n1": "10.0.0.1", "zz-opd-n2": "10.0.0.2"})
+    assert [n for n, _, _ in trains] == ["zz-opd-n1", "zz-opd-n2"]
+    assert all(_flag(a, "--rdzv_endpoint").startswith("10.0.0.1:") for _, _, a in trains)
+    (rollout,) = _server(servers, "/models/Qwen2.5-Math-7B")
+    (teacher,) = _server(servers, "/models/OpenThinker3-7B")
+    assert _flag(rollout[2], "--host") == "10.0.0.1" and _flag(teacher[2], "--host") == "10.0.0.2"
+    assert cfg.rollout.server_url == f"http://10.0.0.1:{_flag(rollout[2], '--port')}"
+    assert cfg.teacher.server_url == f"http://10.0.0.2:{_flag(teacher[2], '--port')}"
+    assert cfg.rollout.host == "10.0.0.1"
+
+
+def test_server_url_and_bind_host_can_be_set(fake_bin):
+    cmds = _dry("opd_7b.sbatch", fake_bin, ["n1", "n2"], ROLLOUT_URL="http://rollout.lb:9000",
+                TEACHER_URL="https://teacher.example:443", ROLLOUT_HOST="0.0.0.0")
+    servers, trains, cfg = _check_layout(cmds, binds={"n1": "0.0.0.0"})
+    (rollout,) = _server(servers, "/models/Qwen2.5-Math-7B")
+    (teacher,) = _server(servers, "/models/OpenThinker3-7B")
+    assert _flag(rollout[2], "--host") == "0.0.0.0" and _flag(teacher[2], "--host") == "n2"
+    assert cfg.rollout.server_url == "http://rollout.lb:9000"
+    assert cfg.teacher.server_url == "https://teacher.example:443"
+
+
+def test_cpu_profile_renders_without_gpus_or_servers(fake_bin):
+    """GPUS_PER_NODE=0 + local rollout + megatron teacher: no server, no visible GPU, NPROC_PER_NODE ranks per
+    node, and CONVERT_CHECK / EVAL_ARGS add their steps around training."""
+    cmds = _dry("opd_7b.sbatch", fake_bin, ["n1", "n2"], GPUS_PER_NODE="0", NPROC_PER_NODE="2",
+                ROLLOUT_BACKEND="local", TEACHER_BACKEND="megatron", CONFIG="examples/slurm_cpu.yaml",
+                CONVERT_CHECK="1", EVAL_ARGS="--benchmarks math500 --k 1")
+    progs = [c[c.index("env") + 2:] for c in cmds]
+    assert all(c[c.index("env") + 1] == "CUDA_VISIBLE_DEVICES=" for c in cmds)
+    assert not any("sglang.launch_server" in p for p in progs)
+    kinds = [(Path(p[0]).name, p[p.index("megatron_opd.cli") + 1] if "megatron_opd.cli" in p else "")
+             for p in progs]
+    assert [k for k, _ in kinds].count("torchrun") == 4  # convert (2 nodes) + train (2 nodes)
+    assert [sub for _, sub in kinds] == ["convert", "convert", "convert", "train", "train", "eval"]
+    conv = progs[0]
+    assert _flag(conv, "--pp") == "2" and _flag(conv, "--tp") == "1" and _flag(conv, "--backend") == "gloo"
+    assert "--verify" in progs[2]
+    train = progs[3]
+    assert _flag(train, "--nproc_per_node") == "2"
+    _, cfg = _train_config(train)
+    assert cfg.rollout.backend == "local" and cfg.teacher.backend == "megatron"
+    assert progs[5][-4:] == ["--benchmarks", "math500", "--k", "1"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"GPUS_PER_NODE": "eight"}, "GPUS_PER_NODE='eight'"),
+    ({"ROLLOUT_BACKEND": "vllm"}, "ROLLOUT_BACKEND='vllm'"),
+    ({"TEACHER_BACKEND": "hf"}, "TEACHER_BACKEND='hf'"),
+])
+def test_bad_knob_fails_with_its_name(fake_bin, extra, message):
+    res = _run("opd_7b.sbatch", _env(fake_bin, ["n1", "n2"], DRY_RUN="1", **extra))
+    assert res.returncode != 0 and message in res.stderr, res.stderr

@@ -435,14 +435,14 @@ training_failed() {
         requeue_if_preempted
     fi
     sleep 2
-    local -a failed=("node ${TRAIN_NODE_NAMES[idx]} (node_rank $idx, ranks $((idx * nproc))-$((idx * nproc + nproc - 1))) status $rc")
+    local -a failed=("node ${TRAIN_NODE_NAMES[idx]} (node_rank $idx, ranks $((idx * nproc))-$((idx * nproc + nproc - 1))) exited with status $rc")
     local i code cause
     for ((i = 0; i < ${#TRAIN_PIDS[@]}; i++)); do
         ((i == idx)) && continue
         kill -0 "${TRAIN_PIDS[i]}" 2>/dev/null && continue
         code=0
         wait "${TRAIN_PIDS[i]}" 2>/dev/null || code=$?
-        ((code == 0)) || failed+=("node ${TRAIN_NODE_NAMES[i]} (node_rank $i) status $code")
+        ((code == 0)) || failed+=("node ${TRAIN_NODE_NAMES[i]} (node_rank $i) exited with status $code")
     done
     cause=""
     if [[ -n "$OUT_DIR" ]]; then   # torchrun's "Root Cause (first observed failure)" of the other nodes' logs
@@ -460,13 +460,21 @@ convert_check() {
     local nodes_csv=$1 gpus=$2 out=$3 model=$4 tp=$5 pp=$6
     local -a nodes
     IFS=, read -r -a nodes <<<"$nodes_csv"
-    local nnodes=${#nodes[@]} nproc i master backend=nccl
+    local nnodes=${#nodes[@]} nproc i master backend=nccl mp=$((tp * pp))
     nproc=$(ranks_per_node "$gpus")
     ((GPUS_PER_NODE > 0)) || backend=gloo
-    ((nnodes * nproc == tp * pp)) ||
-        die "CONVERT_CHECK: tp*pp=$((tp * pp)) must equal the ranks of nodes $nodes_csv ($nnodes x $nproc)"
+    # the converter runs exactly tp*pp ranks: spread over all the nodes when they divide it, else on the first
+    if ((mp % nnodes == 0 && mp / nnodes <= nproc)); then
+        nproc=$((mp / nnodes))
+    elif ((mp <= nproc)); then
+        nodes=("${nodes[0]}")
+        nnodes=1
+        nproc=$mp
+    else
+        die "CONVERT_CHECK: tp*pp=$mp ranks do not fit nodes $nodes_csv ($nnodes x $nproc ranks)"
+    fi
     master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
-    log "convert check: hf->mcore tp=$tp pp=$pp over $nodes_csv, then mcore->hf --verify"
+    log "convert check: hf->mcore tp=$tp pp=$pp as $nnodes node(s) x $nproc rank(s), then mcore->hf --verify"
     local -a pids=()
     for ((i = 0; i < nnodes; i++)); do
         local logfile=-
