@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_opd.models.parallel import host_group
+
 logger = logging.getLogger("megatron_opd.trainer")
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: checkpointed, resubmit to go on
@@ -72,9 +74,8 @@ class PreemptionWatch:
         local = self.reason()
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group("world"))  # gloo: a CPU flag on any backend
         if int(flag.item()) == 0:
             return ""
         return local or "another rank's request"
