@@ -1,8 +1,13 @@
 """Final-answer extraction and grading: math-verify equivalence behind our normalisation and guards.
 
-Extraction is ours, so every benchmark uses the same inspectable rule: last ``\\boxed{}``/``\\fbox{}``,
-then GSM8K ``####``, then "the answer is X", then the last number of the response (numbers glued to
-words, inside trailing remarks in parentheses, or after "Lemma"/"Step"/... are not answers).
+Extraction is ours, so every benchmark uses the same inspectable rule: the last ``\\boxed{}``/``\\fbox{}``
+(boxes side by side, ``\\boxed{-3}`` and ``\\boxed{2}``, are one multi-answer ``-3, 2``), unless a
+final-answer line with math in it comes after it; then GSM8K ``####``; then "the answer is X" /
+"Final Answer: The final answer is X. I hope it is correct." (Minerva's few-shot style: the nested phrase
+is peeled off); then the last math span of the response when nothing numeric follows it (``Hence
+$x \\ge 3$ is the solution.``: the inequality, not its 3; ``$... = 6$``: the right-hand side), or a
+final numeric tuple; then the last number (numbers glued to words, inside trailing remarks in
+parentheses, or after "Lemma"/"Step"/... are not answers).
 
 Equivalence is math-verify's (sympy: ``\\frac{1}{2}`` == ``0.5``, ``[2,5)`` != ``(2,5)``, sets are
 unordered), applied to both answers after `normalize_answer`, and then held to a stricter standard,
@@ -24,7 +29,15 @@ because math-verify alone accepts wrong answers of classes that matter on the pa
   thousands separators (``118{,}000``, ``118\\,000``) and ``\\dfrac`` are normalised away; a word that is a
   conjunction is not a unit (``5 or 6`` is not ``5``; ``2 and 3`` is the list ``2, 3``).
 * **Sets, percents, degrees.** ``x \\in [-2,7]`` is the set ``[-2,7]``; a trailing ``\\%`` may be dropped
-  (``4.2\\%`` matches ``4.2`` as well as math-verify's ``0.042``); ``30^\\circ``, ``30°`` and ``30`` match.
+  (``4.2\\%`` matches ``4.2`` as well as math-verify's ``0.042``); "12.5 percent" is ``12.5\\%``;
+  ``30^\\circ``, ``30°`` and ``30`` match.
+* **Inequalities are intervals.** ``-1 \\le x \\le 4`` is ``[-1, 4]``, ``x > 3`` is ``(3, \\infty)``.
+* **Named answers.** A name on one side of ``=`` is dropped: ``(a,b)=(4,1)``, ``g(x)=2``, ``5=y`` are the
+  answers ``(4,1)``, ``2``, ``5``. A whole answer in ``\\text{}``/``\\mathrm{}`` is its text (``\\mathrm{B}`` is
+  ``B``).
+* **Plain-text math.** ``sqrt(5)``, ``pi``, ``**`` are read as ``\\sqrt{5}``, ``\\pi``, ``^``.
+* **Symmetric.** Two answers are equivalent only when each matches the other as gold, so grading never
+  depends on which side is the reference.
 
 A grader crash or timeout counts as incorrect but is reported with its own status, so a broken grader
 cannot hide inside a low accuracy.
@@ -38,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 GradeStatus = Literal["correct", "incorrect", "no_answer", "error"]
-ExtractMethod = Literal["boxed", "hashes", "answer_is", "last_number", "none"]
+ExtractMethod = Literal["boxed", "hashes", "answer_is", "prose_math", "last_number", "none"]
 
 REL_TOL = 1e-6
 
@@ -69,6 +82,24 @@ _DEGREES = re.compile(r"(.+?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
 _TEXT_GROUPS = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|operatorname|mathbf)\s*\{[^{}]*\}")
 _COMMANDS = re.compile(r"\\[A-Za-z]+")
 _ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*(?:=|\\in\b)\s*(?=[^=]+$)")
+# a name that an answer may be given under: x, x_1, f(x), g(x, y), (a, b), (x_1, y_1)
+_VAR = r"[A-Za-z](?:_\{?\w+\}?)?"
+_NAME = (r"(?:" + _VAR + r"(?:\s*\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")*\s*\))?"
+         r"|\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")+\s*\))")
+_NAME_LEFT = re.compile(r"^\s*" + _NAME + r"\s*=\s*(?P<rest>[^=]+)$")
+_NAME_RIGHT = re.compile(r"^(?P<rest>[^=]+?)\s*=\s*" + _NAME + r"\s*$")
+_WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}$")
+_PERCENT_WORD = re.compile(r"(\d)\s*(?:\\text\{\s*)?(?:percent|per\s+cent|pct)\b\}?", re.IGNORECASE)
+_LE = r"(?:\\leq?|\\leqslant|<=|≤)"
+_GE = r"(?:\\geq?|\\geqslant|>=|≥)"
+_CHAIN = re.compile(r"^\s*(?P<a>[^<>=≤≥]+?)\s*(?P<o1>" + _LE + r"|<)\s*" + _VAR + r"\s*(?P<o2>" + _LE + r"|<)\s*(?P<b>[^<>=≤≥]+?)\s*$")
+_ONE_SIDE = re.compile(r"^\s*" + _VAR + r"\s*(?P<op>" + _LE + r"|" + _GE + r"|<|>)\s*(?P<v>[^<>=≤≥]+?)\s*$")
+_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_NUM_TUPLE = re.compile(r"(?<![\w\\])([(\[]\s*-?[\d.]+(?:\s*,\s*-?[\d.]+)+\s*[)\]])")
+_BOX_CONNECTOR = re.compile(r"^(?:\s|\$|,|;|\\quad|\\qquad|\\,|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b|"
+                            r"\b[A-Za-z](?:_\{?\w+\}?)?\s*=)*$")  # "$\boxed{-3}$ or $x = \boxed{2}$"
+_ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+_HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -109,11 +140,10 @@ def _braced(text: str, start: int) -> Optional[tuple[str, int]]:
     return None
 
 
-def extract_boxed(text: str) -> Optional[str]:
-    """The content of the last complete ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces allowed), or
-    of ``\\boxed 5`` (no braces: up to whitespace or ``$``). An unclosed last box (a truncated response)
-    is passed over in favour of the previous complete one."""
-    found: Optional[str] = None
+def _boxes(text: str) -> list[tuple[str, int, int]]:
+    """Every complete ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces allowed) or ``\\boxed 5`` (no braces:
+    up to whitespace or ``$``) as (content, start, end). An unclosed box (a truncated response) is left out."""
+    found: list[tuple[str, int, int]] = []
     for m in _BOX_RE.finditer(text):
         j = m.end()
         while j < len(text) and text[j] == " ":
@@ -121,12 +151,27 @@ def extract_boxed(text: str) -> Optional[str]:
         if j < len(text) and text[j] == "{":
             group = _braced(text, j)
             if group is not None:
-                found = group[0]
+                found.append((group[0].strip(), m.start(), group[1]))
         elif j > m.end():
             tok = re.match(r"[^\s$]+", text[j:])
             if tok:
-                found = tok.group(0)
-    return found.strip() if found is not None else None
+                found.append((tok.group(0).strip(), m.start(), j + tok.end()))
+    return found
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """The content of the last complete box; boxes side by side with only ``and``/``,``/``$``/spacing
+    between them (``\\boxed{-3} and \\boxed{2}``) are one multi-answer, ``-3, 2``."""
+    boxes = _boxes(text)
+    if not boxes:
+        return None
+    group = [boxes[-1]]
+    for prev in reversed(boxes[:-1]):
+        if not _BOX_CONNECTOR.match(text[prev[2]:group[0][1]]):
+            break
+        group.insert(0, prev)
+    parts = list(dict.fromkeys(content for content, _, _ in group if content))
+    return ", ".join(parts) if parts else boxes[-1][0]
 
 
 def _clean(ans: str) -> str:
@@ -151,18 +196,80 @@ def _last_number(text: str) -> Optional[str]:
     return re.sub(_SEP, "", found)
 
 
+def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
+    """The last "the answer is X" / "Final Answer: X" (nested phrases and Minerva's "I hope it is correct"
+    peeled off) and where it starts; None without one."""
+    matches = list(_ANSWER_IS_RE.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    if m.group(1).rstrip().endswith("?") or text[m.end(1):m.end(1) + 1] == "?":
+        return None  # "Is it a coincidence that the answer is 24?" asks, it does not answer
+    ans = m.group(1).replace("**", "")  # markdown bold
+    ans = _HOPE.sub("", ans)
+    while True:
+        peeled = _ANSWER_LEAD.sub("", ans, count=1)
+        if peeled == ans:
+            break
+        ans = peeled
+    return (ans, m.start()) if _clean(ans) else None
+
+
+def _is_math(m: re.Match) -> bool:
+    """A ``$...$`` span that is math, not prose between two currency signs (``20 $ to Jack ... 120$``)."""
+    content = next(g for g in m.groups() if g is not None)
+    if m.group(2) is not None and "\n" in content:
+        return False
+    words = _COMMANDS.sub(" ", _TEXT_GROUPS.sub(" ", content))
+    return not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}", words)
+
+
+def _in_parentheses(text: str, pos: int) -> bool:
+    """Whether `pos` lies inside a parenthesised remark "(... " of the prose (math spans not counted)."""
+    prose = _MATH_SPAN.sub(lambda m: " " * len(m.group(0)), text[:pos])
+    return prose.count("(") > prose.count(")")
+
+
+def _mathy(ans: str) -> bool:
+    """Whether a final-answer phrase carries an answer (digits, LaTeX, math delimiters, a choice letter)."""
+    return bool(re.search(r"[\d\\$]", ans)) or len(_clean(ans)) <= 2
+
+
+def _prose_answer(text: str) -> Optional[str]:
+    """An answer written in prose without a box: the last math span when nothing numeric follows it (its
+    right-hand side after ``=``, unless it states an inequality), else a final numeric tuple."""
+    spans = [m for m in _MATH_SPAN.finditer(text) if not _in_parentheses(text, m.start()) and _is_math(m)]
+    if spans:
+        m = spans[-1]
+        content = next(g for g in m.groups() if g is not None).strip()
+        if re.search(r"\d", content) and not re.search(r"\d", _PAREN_REMARK.sub(" ", text[m.end():])):
+            if "=" in content and not re.search(_LE + "|" + _GE + "|[<>]", content):
+                content = content.rsplit("=", 1)[1].strip()
+            if content:
+                return content
+    tuples = list(_NUM_TUPLE.finditer(text))
+    if tuples and not re.search(r"\d", text[tuples[-1].end():]):
+        return tuples[-1].group(1)
+    return None
+
+
 def extract_answer(text: str) -> Extraction:
     """The model's final answer, by the first rule that matches (see module docstring)."""
-    boxed = extract_boxed(text)
-    if boxed is not None:
-        return Extraction(boxed, "boxed")
+    boxes = _boxes(text)
+    phrase = _answer_phrase(text)
+    if boxes:
+        if phrase is not None and phrase[1] >= boxes[-1][2] and _mathy(phrase[0]) and not _BOX_RE.search(phrase[0]):
+            return Extraction(normalize_answer(phrase[0]), "answer_is")  # a final-answer line after the boxes
+        return Extraction(extract_boxed(text), "boxed")
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
         if tail:
             return Extraction(_clean(tail).replace(",", ""), "hashes")
-    matches = [m.replace("**", "") for m in _ANSWER_IS_RE.findall(text)]  # markdown bold
-    if matches and _clean(matches[-1]):
-        return Extraction(normalize_answer(matches[-1]), "answer_is")
+    if phrase is not None:
+        return Extraction(normalize_answer(phrase[0]), "answer_is")
+    prose = _prose_answer(text)
+    if prose is not None:
+        return Extraction(normalize_answer(prose), "prose_math")
     number = _last_number(text)
     if number is not None:
         return Extraction(number, "last_number")
@@ -184,6 +291,17 @@ def normalize_answer(ans: str) -> str:
     s = s.strip().rstrip(".").strip()
     s = re.sub(r",\\!\s*", ",", s).replace("\\!", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"^\s*[A-Za-z]\s*\\in(?![A-Za-z])\s*", "", s)  # "x \\in [-2, 7]" states the set [-2, 7]
+    m = _WHOLE_TEXT.match(s)
+    if m:
+        s = m.group(1).strip()
+    s = _plain_math(s)
+    s = _PERCENT_WORD.sub(r"\1\\%", s)
+    s = _interval(s)
+    for named in (_NAME_LEFT, _NAME_RIGHT):
+        m = named.match(s)
+        if m and m.group("rest").strip():
+            s = m.group("rest").strip()
+            break
     m = _NUMBER_THEN_UNIT.match(s)
     if m:
         s = m.group(1)
@@ -201,6 +319,64 @@ def normalize_answer(ans: str) -> str:
     if m and re.fullmatch(r"-?[\d.]+", m.group(1)):
         s = m.group(1)
     return s.strip()
+
+
+def _plain_math(s: str) -> str:
+    """Plain-text math as LaTeX: ``sqrt(5)`` / ``sqrt 5``, ``pi``, ``infinity``, ``**``."""
+    s = re.sub(r"(?<![\\A-Za-z])sqrt\s*\(([^()]*)\)", r"\\sqrt{\1}", s)
+    s = re.sub(r"(?<![\\A-Za-z])sqrt\s*(\d+)", r"\\sqrt{\1}", s)
+    s = re.sub(r"(?<![\\A-Za-z])pi(?![A-Za-z])", r"\\pi ", s).replace("\\pi }", "\\pi}")
+    s = re.sub(r"(?<![\\A-Za-z])(?:infinity|inf)(?![A-Za-z])", r"\\infty", s)
+    return s.replace("**", "^").strip()
+
+
+def _interval(s: str) -> str:
+    """A one-variable inequality as the interval it states: ``-1 \\le x < 4`` -> ``[-1, 4)``, ``x \\ge 3`` ->
+    ``[3, \\infty)``."""
+    m = _CHAIN.match(s)
+    if m:
+        lo = "[" if re.fullmatch(_LE, m.group("o1")) else "("
+        hi = "]" if re.fullmatch(_LE, m.group("o2")) else ")"
+        return f"{lo}{m.group('a').strip()}, {m.group('b').strip()}{hi}"
+    m = _ONE_SIDE.match(s)
+    if m:
+        op, v = m.group("op"), m.group("v").strip()
+        if re.fullmatch(_GE, op):
+            return f"[{v}, \\infty)"
+        if op == ">":
+            return f"({v}, \\infty)"
+        if re.fullmatch(_LE, op):
+            return f"(-\\infty, {v}]"
+        return f"(-\\infty, {v})"
+    return s
+
+
+_UNIT_NAMES = {"centimeter": "cm", "millimeter": "mm", "kilometer": "km", "meter": "m", "metre": "m",
+               "kilogram": "kg", "gram": "g", "milligram": "mg", "second": "s", "sec": "s", "minute": "min",
+               "hour": "h", "hr": "h", "milliliter": "ml", "liter": "L", "litre": "L", "joule": "J", "newton": "N",
+               "watt": "W", "volt": "V", "hertz": "Hz", "kelvin": "K"}
+
+
+def answer_unit(ans: str) -> Optional[str]:
+    """The unit after a number (``5 cm``, ``5\\text{ cm}``, ``3 meters`` -> ``cm``, ``cm``, ``m``), spelled one
+    way; None without one."""
+    s = re.sub(r"(?<!\\)\$", "", ans).strip().rstrip(".").strip()
+    m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z\s./^-]*)\}\s*", s)
+    if m and re.fullmatch(r"-?[\d.,]+", m.group(1).strip()):
+        unit = m.group(2)
+    else:
+        m = _NUMBER_THEN_UNIT.match(s)
+        if not m:
+            return None
+        unit = s[m.end(1):]
+    unit = re.sub(r"\s+", " ", unit).strip().rstrip(".").strip()
+    words = []
+    for w in unit.split(" "):
+        base = w.lower() if len(w) > 2 else w
+        if len(base) > 3 and base.endswith("s"):
+            base = base[:-1]
+        words.append(_UNIT_NAMES.get(base, base))
+    return " ".join(words) or None
 
 
 def symbol_letters(ans: str) -> set[str]:
@@ -262,16 +438,26 @@ def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact
     docstring. Raises on grader errors/timeouts; `grade_answer` is the non-raising wrapper.
     `exact_shortcut` accepts answers identical up to spacing without calling math-verify (~10 ms an
     answer, and it rejects some identical expressions);
-    `abs_tol` is a per-problem absolute tolerance for numeric answers."""
+    `abs_tol` is a per-problem absolute tolerance for numeric answers.
+    Symmetric: each answer must match the other taken as the reference (the guards are one-sided)."""
+    return (_equivalent(pred, gold, timeout_s, exact_shortcut, rel_tol, abs_tol)
+            and _equivalent(gold, pred, timeout_s, exact_shortcut, rel_tol, abs_tol))
+
+
+def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: bool, rel_tol: float,
+                abs_tol: float) -> bool:
     from math_verify import verify
 
+    units = answer_unit(_clean(pred)), answer_unit(_clean(gold))
+    if all(units) and units[0] != units[1]:  # both name a unit: "5 cm" is not "5 m" (one alone may omit it)
+        return False
     pred, gold = normalize_answer(_clean(pred)), normalize_answer(_clean(gold))
     if not pred or not gold:
         return False
     bare = [_TRAILING_PERCENT.fullmatch(a) for a in (pred, gold)]
     if any(bare):  # "4.2\\%" also matches "4.2" (math-verify alone reads it only as 0.042)
         unpercent = [m.group(1) if m else a for m, a in zip(bare, (pred, gold))]
-        if answers_equivalent(unpercent[0], unpercent[1], timeout_s, exact_shortcut, rel_tol, abs_tol):
+        if _equivalent(unpercent[0], unpercent[1], timeout_s, exact_shortcut, rel_tol, abs_tol):
             return True
     if exact_shortcut and canonical_text(pred) == canonical_text(gold):
         return True
@@ -311,6 +497,6 @@ def grade_response(response: str, gold: str, timeout_s: Optional[int] = 5, abs_t
     return grade_answer(ext.answer, gold, timeout_s, ext.method, abs_tol=abs_tol)
 
 
-__all__ = ["Extraction", "GradeResult", "GradeStatus", "REL_TOL", "answers_equivalent", "extract_answer",
+__all__ = ["Extraction", "GradeResult", "GradeStatus", "REL_TOL", "answer_unit", "answers_equivalent", "extract_answer",
            "canonical_text", "extract_boxed", "grade_answer", "grade_response", "normalize_answer", "numbers_close",
            "symbol_letters"]
