@@ -7,6 +7,15 @@ bracket flipped) and checks that each perturbation is graded wrong. No model is 
 in seconds on any machine and tells a user how far to trust the grader on their files::
 
     megatron-opd grade-audit --data-dir data/ --benchmarks math500,minerva_math,olympiadbench,amc23,aime24,aime25
+
+With ``--labelled FILE`` it measures the grader against a team's own human labels instead: a JSONL file of
+``{"gold": ..., "prediction": ... | "response": ..., "label": true/false, "category": ... (optional)}``
+(``prediction`` is an extracted answer, ``response`` a whole model response to extract from; ``label`` may
+also be "correct"/"incorrect" or 1/0). It prints agreement per category and every false accept and false
+reject (``--show`` of each per category), so a team can audit the grader on its data before trusting a
+number::
+
+    megatron-opd grade-audit --labelled my_labels.jsonl [--out DIR] [--min-agreement 0.98]
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_opd.eval.benchmarks import BenchmarkRow, read_benchmark_rows, resolve_benchmarks
-from megatron_opd.eval.grading import grade_response, normalize_answer
+from megatron_opd.eval.grading import grade_answer, grade_response, normalize_answer
 
 _FIRST_NUMBER = re.compile(r"(?<![\w\\^_])\d+(?:\.\d+)?")
 _COEFFICIENT = re.compile(r"(?<![\w\\^_.])(\d+)(?=\s*(?:[A-Za-z]|\\(?:sqrt|pi|frac|log|sin|cos)))")
@@ -156,16 +165,149 @@ def audit_table(results: list[AuditResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class LabelledError(ValueError):
+    """A labelled file that cannot be read: names the file, line and field."""
+
+
+_LABELS = {True: True, False: False, 1: True, 0: False, "correct": True, "incorrect": False, "true": True,
+           "false": False, "1": True, "0": False, "yes": True, "no": False}
+
+
+@dataclass
+class LabelledCase:
+    line: int
+    gold: str
+    text: str
+    is_response: bool
+    label: bool
+    category: str
+    abs_tol: float = 0.0
+
+
+def read_labelled(path: Path) -> list[LabelledCase]:
+    """The cases of a labelled JSONL file (see the module docstring); LabelledError names a bad line's field."""
+    cases = []
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise LabelledError(f"{path}: {e.strerror or e}") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LabelledError(f"{path}:{n}: not JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise LabelledError(f"{path}:{n}: expected an object, got {type(row).__name__}")
+        gold = row.get("gold", row.get("answer"))
+        if not isinstance(gold, str) or not gold.strip():
+            raise LabelledError(f"{path}:{n}: field 'gold' must be a non-empty string")
+        if isinstance(row.get("prediction"), str):
+            text, is_response = row["prediction"], False
+        elif isinstance(row.get("response"), str):
+            text, is_response = row["response"], True
+        else:
+            raise LabelledError(f"{path}:{n}: needs a string field 'prediction' (an answer) or 'response'")
+        label = row.get("label")
+        key = label.strip().lower() if isinstance(label, str) else label
+        if isinstance(key, float) and key in (0.0, 1.0):
+            key = int(key)
+        if key not in _LABELS:
+            raise LabelledError(f"{path}:{n}: field 'label' must be true/false, \"correct\"/\"incorrect\" or 1/0, "
+                                f"got {label!r}")
+        tol = row.get("abs_tol", 0.0)
+        if not isinstance(tol, (int, float)) or tol < 0:
+            raise LabelledError(f"{path}:{n}: field 'abs_tol' must be a number >= 0")
+        cases.append(LabelledCase(n, gold, text, is_response, _LABELS[key], str(row.get("category") or "all"),
+                                  float(tol)))
+    if not cases:
+        raise LabelledError(f"{path}: no cases")
+    return cases
+
+
+@dataclass
+class LabelledResult:
+    category: str
+    cases: int = 0
+    agree: int = 0
+    errors: int = 0
+    false_accepts: list[dict] = field(default_factory=list)
+    false_rejects: list[dict] = field(default_factory=list)
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / max(1, self.cases)
+
+
+def audit_labelled(cases: list[LabelledCase], timeout_s: Optional[int] = 5) -> list[LabelledResult]:
+    """Grade every case and compare with its label, per category (and "ALL" last)."""
+    by_cat: dict[str, LabelledResult] = {}
+    total = LabelledResult("ALL")
+    for case in cases:
+        if case.is_response:
+            g = grade_response(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
+        else:
+            g = grade_answer(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
+        for res in (by_cat.setdefault(case.category, LabelledResult(case.category)), total):
+            res.cases += 1
+            res.errors += g.status == "error"
+            if g.correct == case.label:
+                res.agree += 1
+                continue
+            item = {"line": case.line, "gold": case.gold, ("response" if case.is_response else "prediction"): case.text,
+                    "extracted": g.extracted, "status": g.status}
+            (res.false_accepts if g.correct else res.false_rejects).append(item)
+    return [by_cat[k] for k in sorted(by_cat)] + [total]
+
+
+def labelled_table(results: list[LabelledResult]) -> str:
+    lines = ["| category | cases | agreement | false accepts | false rejects | grader errors |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.category} | {r.cases} | {100 * r.agreement:.2f}% | {len(r.false_accepts)} | "
+                     f"{len(r.false_rejects)} | {r.errors} |")
+    return "\n".join(lines) + "\n"
+
+
+def _main_labelled(args: argparse.Namespace) -> int:
+    try:
+        cases = read_labelled(Path(args.labelled))
+    except LabelledError as e:
+        print(f"megatron-opd grade-audit: {e}", file=sys.stderr)
+        return 2
+    results = audit_labelled(cases)
+    for r in results[:-1]:
+        for label, items in (("false accept (graded correct, labelled wrong)", r.false_accepts),
+                             ("false reject (graded wrong, labelled correct)", r.false_rejects)):
+            for item in items[:args.show]:
+                print(f"{r.category}: {label}: {json.dumps(item, ensure_ascii=False)}")
+    print(labelled_table(results))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "labelled_audit.json").write_text(json.dumps(
+            [r.__dict__ | {"agreement": r.agreement} for r in results], indent=2, ensure_ascii=False))
+    return 0 if results[-1].agreement >= args.min_agreement else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-opd grade-audit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--benchmarks", required=True, help="comma list of NAME[=PATH] (as for `megatron-opd eval`)")
+    p.add_argument("--benchmarks", default=None, help="comma list of NAME[=PATH] (as for `megatron-opd eval`)")
+    p.add_argument("--labelled", default=None, help="JSONL of human-labelled (gold, prediction or response, label)")
+    p.add_argument("--min-agreement", type=float, default=0.0,
+                   help="--labelled: exit 1 below this overall agreement with the labels")
     p.add_argument("--data-dir", default=None, help="folder holding benchmark files under their default names")
     p.add_argument("--out", default=None, help="write audit.json with every false accept / false reject")
     p.add_argument("--min-accept", type=float, default=0.995, help="exit 1 below this reference accept rate")
     p.add_argument("--min-reject", type=float, default=0.995, help="exit 1 below this perturbation reject rate")
-    p.add_argument("--show", type=int, default=5, help="print this many failures per benchmark")
+    p.add_argument("--show", type=int, default=5, help="print this many failures per benchmark / category")
     args = p.parse_args(argv)
+    if (args.benchmarks is None) == (args.labelled is None):
+        p.error("give exactly one of --benchmarks (generated cases) or --labelled FILE (your labels)")
+    if args.labelled is not None:
+        return _main_labelled(args)
     try:
         benches = resolve_benchmarks(args.benchmarks, args.data_dir)
         loaded = {name: read_benchmark_rows(name, path) for name, path in benches.items()}

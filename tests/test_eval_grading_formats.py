@@ -1,0 +1,216 @@
+"""The answer formats models actually write (issue 28): final-answer phrases, several boxes, named answers,
+answers in prose, symmetric equivalence, inequalities vs intervals, percent in words, plain-text math --
+each class with positives written here (not taken from any labelled set) and hard negatives that must stay
+wrong. The symmetry test runs over every pair of this file and of tests/test_eval_grading.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_opd.eval.grading import answer_unit, answers_equivalent, extract_answer, grade_response
+
+# (response, extracted answer, method)
+EXTRACTION = [
+    # 1. final-answer phrases (Minerva's few-shot style and relatives)
+    ("Final Answer: The final answer is $4.25$. I hope it is correct.", "4.25", "answer_is"),
+    ("...so the speed doubles.\n\nFinal Answer: The final answer is $\\frac{3}{7}$. I hope it is correct.",
+     "\\frac{3}{7}", "answer_is"),
+    ("**Final Answer:** The answer is 17", "17", "answer_is"),
+    ("Final answer: the final answer is 2.5e-3.", "2.5 \\times 10^{-3}", "answer_is"),
+    # 2. several boxes
+    ("The roots are $\\boxed{-3}$ and $\\boxed{2}$.", "-3, 2", "boxed"),
+    ("So $x=\\boxed{-3}$ or $x = \\boxed{2}$.", "-3, 2", "boxed"),
+    ("$\\boxed{1}$, $\\boxed{4}$, $\\boxed{9}$", "1, 4, 9", "boxed"),
+    ("Both give \\boxed{5} and again \\boxed{5}.", "5", "boxed"),
+    ("First $a = \\boxed{3}$. Then the area is 12, so the perimeter is \\boxed{14}.", "14", "boxed"),
+    ("We get $\\boxed{7}$ for the first part.\nFinal Answer: The final answer is 12. I hope it is correct.",
+     "12", "answer_is"),
+    ("Thus \\boxed{12}.\n\nThe answer is above.", "12", "boxed"),
+    ("so \\boxed{24}.\n\nChallenge: Is it a coincidence that the answer is 24?", "24", "boxed"),
+    # 4. answers in prose without a box
+    ("Hence $x \\ge 3$ is the solution.", "[3, \\infty)", "prose_math"),
+    ("The area is $\\frac{1}{2} \\cdot 4 \\cdot 3 = 6$.", "6", "prose_math"),
+    ("So the matrix is $\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}$.",
+     "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "prose_math"),
+    ("The only solution is (1, 2).", "(1, 2)", "prose_math"),
+    ("Total is $5 \\times 3 = 15$ dollars (about $14 \\%$ more).", "15", "prose_math"),
+    ("Therefore $(a, b) = (4, 1)$ works.", "(4, 1)", "prose_math"),
+    ("She has $5$ apples and buys 3 more, so 8 in all", "8", "last_number"),
+    ("Sophia gave 20 $ to Jack.\nJack now has 100 + 20 = 120$", "120", "last_number"),
+]
+
+
+@pytest.mark.parametrize("text,answer,method", EXTRACTION)
+def test_extraction_of_the_formats_models_write(text, answer, method):
+    got = extract_answer(text)
+    assert (got.answer, got.method) == (answer, method)
+
+
+# (prediction, gold): graded correct in both directions
+EQUIVALENT = [
+    # 3. answers that name the quantity
+    ("(a,b)=(4,1)", "(4,1)"),
+    ("g(x)=2", "2"),
+    ("y=5", "5=y"),
+    ("x_1 = 7", "7"),
+    ("f(x, y) = 3", "3"),
+    ("(x, y) = (-1, \\frac{1}{2})", "(-1, 0.5)"),
+    # 5. text wrappers, either side
+    ("\\mathrm{B}", "B"),
+    ("\\text{even}", "even"),
+    ("\\textbf{(C)}", "(C)"),
+    # 6. inequality vs interval
+    ("-1 \\le x \\le 4", "x \\in [-1, 4]"),
+    ("-1 \\leq x < 4", "[-1, 4)"),
+    ("x > 3", "(3, \\infty)"),
+    ("x \\ge 3", "[3,\\infty)"),
+    ("x < -2", "(-\\infty, -2)"),
+    # 7. percent in words
+    ("12.5 percent", "12.5\\%"),
+    ("12.5 percent", "0.125"),
+    ("40 per cent", "40\\%"),
+    # 8. plain-text math
+    ("2 + sqrt(5)", "2+\\sqrt{5}"),
+    ("sqrt 2", "\\sqrt{2}"),
+    ("3*pi", "3\\pi"),
+    ("2**10", "1024"),
+    ("infinity", "\\infty"),
+    # multi-answers, any order
+    ("-3, 2", "2, -3"),
+    # units: one side may omit it; spelled-out and abbreviated units agree
+    ("5 cm", "5"),
+    ("5 centimeters", "5 cm"),
+    ("3 meters", "3\\text{ m}"),
+]
+
+# (prediction, gold): hard negatives, graded wrong in both directions
+NOT_EQUIVALENT = [
+    ("4.26", "4.25"),  # near-miss numbers
+    ("4.2", "4.25"),
+    ("-4.25", "4.25"),  # wrong sign
+    ("(1,4)", "(4,1)"),  # a swapped tuple where order matters
+    ("(a,b)=(1,4)", "(4,1)"),
+    ("-3", "-3, 2"),  # a partial multi-answer
+    ("-3, 2, 5", "-3, 2"),  # an extra root
+    ("y=6", "5=y"),
+    ("g(x)=3", "2"),
+    ("\\mathrm{C}", "B"),
+    ("-1 < x \\le 4", "[-1, 4]"),  # an open end where the interval is closed
+    ("x > 3", "[3, \\infty)"),
+    ("x \\le 3", "[3, \\infty)"),
+    ("12.6 percent", "12.5\\%"),
+    ("2 - sqrt(5)", "2+\\sqrt{5}"),
+    ("sqrt(3)", "\\sqrt{5}"),
+    ("5 cm", "5 m"),  # the right number with the wrong unit
+    ("5 kg", "5 g"),
+    ("5 or 6", "5"),
+    ("\\text{odd}", "even"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", EQUIVALENT)
+def test_equivalent_forms_grade_correct(pred, gold):
+    assert answers_equivalent(pred, gold) and answers_equivalent(gold, pred)
+
+
+@pytest.mark.parametrize("pred,gold", NOT_EQUIVALENT)
+def test_hard_negatives_grade_wrong(pred, gold):
+    assert not answers_equivalent(pred, gold) and not answers_equivalent(gold, pred)
+
+
+def test_whole_responses_end_to_end():
+    assert grade_response("Final Answer: The final answer is $4.25$. I hope it is correct.", "4.25").correct
+    assert not grade_response("Final Answer: The final answer is $4.24$. I hope it is correct.", "4.25").correct
+    assert grade_response("The solutions are $\\boxed{-3}$ and $\\boxed{2}$.", "2, -3").correct
+    assert not grade_response("The solutions are $\\boxed{-3}$ and $\\boxed{2}$.", "-3").correct
+    assert not grade_response("So $\\boxed{2}$.", "-3, 2").correct
+    assert grade_response("Hence $x \\ge 3$ is the solution.", "[3, \\infty)").correct
+    assert not grade_response("Hence $x \\ge 3$ is the solution.", "3").correct
+    assert grade_response("We get $\\boxed{7}$ first.\nFinal Answer: The final answer is 12.", "12").correct
+
+
+def test_units():
+    assert answer_unit("5 cm") == answer_unit("5 centimeters") == answer_unit("5\\text{ cm}") == "cm"
+    assert answer_unit("5") is None and answer_unit("5 or 6") is None
+
+
+def _corpus() -> list[tuple[str, str]]:
+    """Every (pred, gold) pair parametrised in this file and in tests/test_eval_grading.py."""
+    import test_eval_grading as base
+
+    pairs = list(EQUIVALENT + NOT_EQUIVALENT)
+    for module in (base,):
+        for name in dir(module):
+            for mark in getattr(getattr(module, name), "pytestmark", []):
+                if mark.name == "parametrize" and str(mark.args[0]).replace(" ", "").startswith("pred,gold"):
+                    pairs += [(v[0], v[1]) for v in mark.args[1] if isinstance(v[0], str) and isinstance(v[1], str)]
+    return pairs
+
+
+def test_grading_is_symmetric_over_the_test_corpus():
+    pairs = _corpus()
+    assert len(pairs) > 80
+    asym = [(a, b) for a, b in pairs if answers_equivalent(a, b) != answers_equivalent(b, a)]
+    assert asym == []
+
+
+# ----------------------------------------------------------------------------- grade-audit --labelled
+
+def _write(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_grade_audit_labelled_reports_agreement_per_category(tmp_path, capsys):
+    import json
+
+    from megatron_opd.eval.audit import main
+
+    rows = [
+        {"gold": "4.25", "response": "Final Answer: The final answer is $4.25$. I hope it is correct.",
+         "label": True, "category": "phrases"},
+        {"gold": "4.25", "prediction": "4.24", "label": "incorrect", "category": "phrases"},
+        {"gold": "(4,1)", "prediction": "(a,b)=(4,1)", "label": 1, "category": "named"},
+        # labelled correct but graded wrong (a false reject, as the labeller sees it): 5 cm vs 5 m
+        {"gold": "5 m", "prediction": "5 cm", "label": True, "category": "units"},
+        # labelled wrong but graded correct (a false accept): a label error the audit must surface
+        {"gold": "7", "prediction": "7", "label": False, "category": "units"},
+    ]
+    f = _write(tmp_path / "labels.jsonl", rows)
+    assert main(["--labelled", str(f), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| phrases | 2 | 100.00% | 0 | 0 | 0 |" in out
+    assert "| named | 1 | 100.00% | 0 | 0 | 0 |" in out
+    assert "| units | 2 | 0.00% | 1 | 1 | 0 |" in out
+    assert "| ALL | 5 | 60.00% | 1 | 1 | 0 |" in out
+    assert "units: false accept" in out and '"line": 5' in out
+    assert "units: false reject" in out and '"line": 4' in out
+    saved = json.loads((tmp_path / "out" / "labelled_audit.json").read_text())
+    assert saved[-1]["category"] == "ALL" and saved[-1]["agreement"] == 0.6
+    assert main(["--labelled", str(f), "--min-agreement", "0.9"]) == 1
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prediction": "1", "label": True}, "labels.jsonl:2: field 'gold'"),
+    ({"gold": "1", "label": True}, "labels.jsonl:2: needs a string field 'prediction'"),
+    ({"gold": "1", "prediction": "1", "label": "maybe"}, "labels.jsonl:2: field 'label'"),
+    ({"gold": "1", "prediction": "1", "label": True, "abs_tol": -1}, "labels.jsonl:2: field 'abs_tol'"),
+])
+def test_grade_audit_labelled_bad_input_names_line_and_field(tmp_path, capsys, row, message):
+    from megatron_opd.eval.audit import main
+
+    f = _write(tmp_path / "labels.jsonl", [{"gold": "1", "prediction": "1", "label": True}, row])
+    assert main(["--labelled", str(f)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_grade_audit_needs_exactly_one_source(tmp_path):
+    from megatron_opd.eval.audit import main
+
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--labelled", "x.jsonl", "--benchmarks", "math500"])
