@@ -37,6 +37,18 @@ EXTRACTION = [
     ("Therefore $(a, b) = (4, 1)$ works.", "(4, 1)", "prose_math"),
     ("She has $5$ apples and buys 3 more, so 8 in all", "8", "last_number"),
     ("Sophia gave 20 $ to Jack.\nJack now has 100 + 20 = 120$", "120", "last_number"),
+    # found by review: remarks after the box do not replace it, prose spans that are not values
+    ("So the total is \\boxed{7}.\n\nA common mistake is to think the answer is 6.", "7", "boxed"),
+    ("\\boxed{7}\n\nNote: had we counted the empty set, the answer is 8.", "7", "boxed"),
+    ("Therefore the answer is \\boxed{7}. Let me double-check: the answer is 7 in both cases.", "7", "boxed"),
+    ("So \\boxed{12}.\n\nThe answer is ok.", "12", "boxed"),
+    ("\\boxed{4}\n\nFinal Answer: The answer is at most 3 more than before.", "4", "boxed"),
+    ("So the area is 25 $\\text{cm}^2$.", "25", "last_number"),
+    ("Thus the sum is 42, which equals $S_{10}$.", "42", "last_number"),
+    ("The larger root is 5, namely $x_2$.", "5", "last_number"),
+    ("The minimum value of n is 5, since we need $n \\ge 5$.", "5", "last_number"),
+    ("We get $x = \\left(\\frac{1}{2}\\right)^2 = \\frac{1}{4}$.", "\\frac{1}{4}", "prose_math"),
+    ("(Check: here the answer is 21.)", "21", "answer_is"),
 ]
 
 
@@ -81,6 +93,14 @@ EQUIVALENT = [
     ("5 cm", "5"),
     ("5 centimeters", "5 cm"),
     ("3 meters", "3\\text{ m}"),
+    # found by review: equations against a bare value, \\left is not \\le, \\leqslant
+    ("m+n=17", "17"),
+    ("AB = 5", "5"),
+    ("f(3) = 10", "10"),
+    ("\\angle ABC = 30^\\circ", "30"),
+    ("x\\left(x+1\\right)", "x(x+1)"),
+    ("x \\leqslant 3", "x \\le 3"),
+    ("5 \\text{ cm}^2", "5"),
 ]
 
 # (prediction, gold): hard negatives, graded wrong in both directions
@@ -105,6 +125,19 @@ NOT_EQUIVALENT = [
     ("5 kg", "5 g"),
     ("5 or 6", "5"),
     ("\\text{odd}", "even"),
+    # found by review: names must agree when both sides have one; words are text, not letter products
+    ("y=3", "x=3"),
+    ("(b,a)=(4,1)", "(a,b)=(4,1)"),
+    ("P(A)=0.3", "P(B)=0.3"),
+    ("y\\left(x+1\\right)", "x\\left(x+1\\right)"),
+    ("\\text{no}", "\\text{on}"),
+    ("\\mathrm{BA}", "\\mathrm{AB}"),
+    ("\\text{listen}", "\\text{silent}"),
+    # units: after a name, with \\, spacing, with exponents, after a power of ten
+    ("x = 5 cm", "5 m"),
+    ("5\\,\\text{cm}", "5\\,\\text{m}"),
+    ("5 \\text{ cm}^2", "5 \\text{ m}^2"),
+    ("2 \\times 10^{3}\\text{ m}", "2 \\times 10^{3}\\text{ km}"),
 ]
 
 
@@ -193,6 +226,7 @@ def test_grade_audit_labelled_reports_agreement_per_category(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("row,message", [
+    ({"gold": "1", "prediction": "1", "label": [True]}, "labels.jsonl:2: field 'label'"),
     ({"prediction": "1", "label": True}, "labels.jsonl:2: field 'gold'"),
     ({"gold": "1", "label": True}, "labels.jsonl:2: needs a string field 'prediction'"),
     ({"gold": "1", "prediction": "1", "label": "maybe"}, "labels.jsonl:2: field 'label'"),

@@ -185,6 +185,30 @@ def test_preempted_job_requeues_and_ends_as_the_uninterrupted_run(cluster, input
     _assert_same_run(full_job["out"], out)
 
 
+def test_preemption_before_training_starts_is_kept(cluster, inputs, tmp_path):
+    """USR1 while the job is still converting (before the trainer loads): the request survives the trainer's
+    start, training stops after its first step with a checkpoint, and the job requeues."""
+    out, log = tmp_path / "run", tmp_path / "job.out"
+    env = _env(cluster, inputs, out, CONVERT_CHECK="1")
+    # a stale marker of an earlier job must not count: the job clears it at start
+    out.mkdir(parents=True)
+    (out / "preempted.json").write_text('{"step": 99, "reason": "stale"}')
+    res = _submit(env, log, *_overrides(inputs))
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip()
+    deadline = time.time() + 120
+    while "convert check:" not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert time.time() < deadline, _tail(log)
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
+    info = _wait(env, job, ("PENDING", "COMPLETED", "FAILED"), 300, log)
+    text = log.read_text(errors="replace")
+    assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, text[-4000:])
+    assert "verify: max |logit diff|" in text, "the convert check finished despite the signal"
+    assert json.loads((out / "preempted.json").read_text())["step"] == 1
+    subprocess.run(["scancel", job], env=env, check=True, timeout=30)
+
+
 def _kill_rank(job: str, rank: int) -> int:
     """SIGKILL the training worker of `rank` in `job` (found by its environment), return its pid."""
     for proc in Path("/proc").iterdir():

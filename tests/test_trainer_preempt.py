@@ -36,20 +36,21 @@ def _overrides(setup, out: Path, steps: int) -> list[str]:
 
 
 def test_watch_signal_and_file(tmp_path):
-    (tmp_path / REQUEST_FILE).write_text("")
     (tmp_path / MARKER_FILE).write_text("{}")
     watch = PreemptionWatch(tmp_path, rank=0)
     try:
-        assert not (tmp_path / REQUEST_FILE).exists(), "a stale request would stop the resumed run at once"
-        assert not (tmp_path / MARKER_FILE).exists()
+        assert not (tmp_path / MARKER_FILE).exists(), "the marker of the run this one resumes is removed"
         assert watch.requested() == ""
+        # a request written while the trainer was still loading (the job script's USR1) is kept and honoured
         (tmp_path / REQUEST_FILE).write_text("")
         assert watch.requested() == str(tmp_path / REQUEST_FILE)
         (tmp_path / REQUEST_FILE).unlink()
         os.kill(os.getpid(), signal.SIGUSR1)
         assert watch.requested() == "SIGUSR1"
+        (tmp_path / REQUEST_FILE).write_text("")
         watch.mark(7, "SIGUSR1")
         assert json.loads((tmp_path / MARKER_FILE).read_text()) == {"step": 7, "reason": "SIGUSR1"}
+        assert not (tmp_path / REQUEST_FILE).exists(), "a request is consumed by the stop it caused"
     finally:
         watch.close()
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL

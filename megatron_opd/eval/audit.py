@@ -210,6 +210,9 @@ def read_labelled(path: Path) -> list[LabelledCase]:
         else:
             raise LabelledError(f"{path}:{n}: needs a string field 'prediction' (an answer) or 'response'")
         label = row.get("label")
+        if not isinstance(label, (str, int, float, bool)):
+            raise LabelledError(f"{path}:{n}: field 'label' must be true/false, \"correct\"/\"incorrect\" or 1/0, "
+                                f"got {label!r}")
         key = label.strip().lower() if isinstance(label, str) else label
         if isinstance(key, float) and key in (0.0, 1.0):
             key = int(key)

@@ -88,10 +88,11 @@ _NAME = (r"(?:" + _VAR + r"(?:\s*\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")*\s*\
          r"|\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")+\s*\))")
 _NAME_LEFT = re.compile(r"^\s*" + _NAME + r"\s*=\s*(?P<rest>[^=]+)$")
 _NAME_RIGHT = re.compile(r"^(?P<rest>[^=]+?)\s*=\s*" + _NAME + r"\s*$")
+_WORDS = re.compile(r"[A-Za-z]+(?:\s+[A-Za-z]+)*")
 _WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}$")
 _PERCENT_WORD = re.compile(r"(\d)\s*(?:\\text\{\s*)?(?:percent|per\s+cent|pct)\b\}?", re.IGNORECASE)
-_LE = r"(?:\\leq?|\\leqslant|<=|≤)"
-_GE = r"(?:\\geq?|\\geqslant|>=|≥)"
+_LE = r"(?:\\leqslant|\\leq?(?![A-Za-z])|<=|≤)"  # not \left
+_GE = r"(?:\\geqslant|\\geq?(?![A-Za-z])|>=|≥)"
 _CHAIN = re.compile(r"^\s*(?P<a>[^<>=≤≥]+?)\s*(?P<o1>" + _LE + r"|<)\s*" + _VAR + r"\s*(?P<o2>" + _LE + r"|<)\s*(?P<b>[^<>=≤≥]+?)\s*$")
 _ONE_SIDE = re.compile(r"^\s*" + _VAR + r"\s*(?P<op>" + _LE + r"|" + _GE + r"|<|>)\s*(?P<v>[^<>=≤≥]+?)\s*$")
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
@@ -99,6 +100,9 @@ _NUM_TUPLE = re.compile(r"(?<![\w\\])([(\[]\s*-?[\d.]+(?:\s*,\s*-?[\d.]+)+\s*[)\
 _BOX_CONNECTOR = re.compile(r"^(?:\s|\$|,|;|\\quad|\\qquad|\\,|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b|"
                             r"\b[A-Za-z](?:_\{?\w+\}?)?\s*=)*$")  # "$\boxed{-3}$ or $x = \boxed{2}$"
 _ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+_SCRIPTS = re.compile(r"[_^]\s*(?:\{[^{}]*\}|\w)")  # x_2, m^3, S_{10}: not values
+_VALUE_DIGIT = re.compile(r"\d")
+_EQ = re.compile(r"(?<![<>!\\=])=(?!=)")
 _HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
 
 
@@ -212,6 +216,9 @@ def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
         if peeled == ans:
             break
         ans = peeled
+    ans = ans.strip()
+    while ans.endswith(")") and ans.count(")") > ans.count("("):  # "(...; here the answer is 21.)"
+        ans = ans[:-1].rstrip(" .")
     return (ans, m.start()) if _clean(ans) else None
 
 
@@ -230,9 +237,19 @@ def _in_parentheses(text: str, pos: int) -> bool:
     return prose.count("(") > prose.count(")")
 
 
-def _mathy(ans: str) -> bool:
-    """Whether a final-answer phrase carries an answer (digits, LaTeX, math delimiters, a choice letter)."""
-    return bool(re.search(r"[\d\\$]", ans)) or len(_clean(ans)) <= 2
+_FINAL_LINE = re.compile(r"^\s*(?:\*\*)?\s*final answer\b", re.IGNORECASE | re.MULTILINE)
+
+
+def _final_line_answer(text: str, phrase: tuple[str, int], after: int) -> bool:
+    """Whether a final-answer phrase after the last box replaces it: it starts a line with "Final Answer"
+    (``Final Answer: The final answer is 12.``, not "...to think the answer is 6") and is bare math -- a
+    digit or LaTeX, no prose words (``7 in both cases``, ``at most 3 more`` are remarks)."""
+    ans, start = phrase
+    line = _FINAL_LINE.search(text, after)
+    if line is None or not line.start() <= start <= line.end() + 1 or _BOX_RE.search(ans):
+        return False
+    words = _COMMANDS.sub(" ", _TEXT_GROUPS.sub(" ", ans))
+    return bool(re.search(r"[\d\\]", ans)) and not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", words)
 
 
 def _prose_answer(text: str) -> Optional[str]:
@@ -242,7 +259,10 @@ def _prose_answer(text: str) -> Optional[str]:
     if spans:
         m = spans[-1]
         content = next(g for g in m.groups() if g is not None).strip()
-        if re.search(r"\d", content) and not re.search(r"\d", _PAREN_REMARK.sub(" ", text[m.end():])):
+        sentence = re.split(r"[.!?]\s|\n", _MATH_SPAN.sub(" ", text[:m.start()]))[-1]
+        if (_VALUE_DIGIT.search(_SCRIPTS.sub(" ", _TEXT_GROUPS.sub(" ", content)))
+                and not re.search(r"\d", _PAREN_REMARK.sub(" ", text[m.end():]))
+                and not re.search(r"\d", sentence)):
             if "=" in content and not re.search(_LE + "|" + _GE + "|[<>]", content):
                 content = content.rsplit("=", 1)[1].strip()
             if content:
@@ -258,7 +278,7 @@ def extract_answer(text: str) -> Extraction:
     boxes = _boxes(text)
     phrase = _answer_phrase(text)
     if boxes:
-        if phrase is not None and phrase[1] >= boxes[-1][2] and _mathy(phrase[0]) and not _BOX_RE.search(phrase[0]):
+        if phrase is not None and phrase[1] >= boxes[-1][2] and _final_line_answer(text, phrase, boxes[-1][2]):
             return Extraction(normalize_answer(phrase[0]), "answer_is")  # a final-answer line after the boxes
         return Extraction(extract_boxed(text), "boxed")
     if "####" in text:
@@ -357,13 +377,35 @@ _UNIT_NAMES = {"centimeter": "cm", "millimeter": "mm", "kilometer": "km", "meter
                "watt": "W", "volt": "V", "hertz": "Hz", "kelvin": "K"}
 
 
+def _answer_name(ans: str) -> Optional[str]:
+    """The name an answer is given under (``x`` of ``x = 3``, ``(a, b)`` of ``(a,b)=(4,1)``, ``y`` of ``5=y``)."""
+    for named, side in ((_NAME_LEFT, "left"), (_NAME_RIGHT, "right")):
+        m = named.match(ans)
+        if m:
+            rest = m.group("rest")
+            return ans[:m.start("rest")].rstrip(" =") if side == "left" else ans[m.end("rest"):].lstrip(" =")
+    return None
+
+
+def _value_side(ans: str) -> str:
+    """The value of an equation: the side that is not a name, else the right-hand side."""
+    for named in (_NAME_LEFT, _NAME_RIGHT):
+        m = named.match(ans)
+        if m:
+            return m.group("rest").strip()
+    return _EQ.split(ans)[-1].strip() or ans
+
+
 def answer_unit(ans: str) -> Optional[str]:
-    """The unit after a number (``5 cm``, ``5\\text{ cm}``, ``3 meters`` -> ``cm``, ``cm``, ``m``), spelled one
-    way; None without one."""
-    s = re.sub(r"(?<!\\)\$", "", ans).strip().rstrip(".").strip()
-    m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z\s./^-]*)\}\s*", s)
-    if m and re.fullmatch(r"-?[\d.,]+", m.group(1).strip()):
-        unit = m.group(2)
+    """The unit after a number (``5 cm``, ``5\\,\\text{cm}``, ``5 \\text{ m}^2``, ``3 meters`` -> ``cm``, ``cm``,
+    ``m^2``, ``m``), spelled one way; None without one."""
+    s = re.sub(r"(?<!\\)\$", "", ans).replace("\\,", " ").replace("\\ ", " ").strip().rstrip(".").strip()
+    if _EQ.search(s):
+        s = _value_side(s)
+    m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z\s./-]*)\}\s*"
+                     r"(\^\s*\{?\s*\d+\s*\}?)?\s*", s)
+    if m and re.fullmatch(r"-?[\d.,]+(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?", m.group(1).strip()):
+        unit = m.group(2) + (re.sub(r"[\s{}]", "", m.group(3)) if m.group(3) else "")
     else:
         m = _NUMBER_THEN_UNIT.match(s)
         if not m:
@@ -448,10 +490,21 @@ def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: 
                 abs_tol: float) -> bool:
     from math_verify import verify
 
-    units = answer_unit(_clean(pred)), answer_unit(_clean(gold))
+    pred, gold = _clean(pred), _clean(gold)
+    names = _answer_name(pred), _answer_name(gold)
+    if all(names) and canonical_text(names[0]) != canonical_text(names[1]):
+        return False  # "y=3" is not "x=3", "(b,a)=(4,1)" is not "(a,b)=(4,1)"
+    if bool(_EQ.search(pred)) != bool(_EQ.search(gold)):  # "m+n=17", "AB = 5" against a bare "17", "5"
+        pred, gold = (_value_side(pred), gold) if _EQ.search(pred) else (pred, _value_side(gold))
+    units = answer_unit(pred), answer_unit(gold)
     if all(units) and units[0] != units[1]:  # both name a unit: "5 cm" is not "5 m" (one alone may omit it)
         return False
-    pred, gold = normalize_answer(_clean(pred)), normalize_answer(_clean(gold))
+    wrapped = bool(_WHOLE_TEXT.match(pred) or _WHOLE_TEXT.match(gold))
+    pred, gold = normalize_answer(pred), normalize_answer(gold)
+    words = _WORDS.fullmatch(pred), _WORDS.fullmatch(gold)
+    if all(words) and (wrapped or min(len(pred), len(gold)) >= 4):  # "no" vs "on" are words, not products
+        return (pred.split() == gold.split()) if max(len(pred), len(gold)) == 1 else \
+            pred.lower().split() == gold.lower().split()
     if not pred or not gold:
         return False
     bare = [_TRAILING_PERCENT.fullmatch(a) for a in (pred, gold)]

@@ -2,13 +2,17 @@
 
 A stop is requested in either of two ways, because on Slurm the signal rarely reaches the trainer itself:
 
-* SIGUSR1 delivered to a training process (`torchrun` alone, or `scancel --signal=USR1` to the job's steps);
+* SIGUSR1 delivered to the training processes themselves (`kill -USR1` of a worker, a launcher that
+  signals its workers). Not `scancel --signal=USR1 JOB` without `--batch`: that reaches torchrun's agent,
+  which does not handle USR1 and dies;
 * the request file `<logging.out_dir>/preempt.request`, which the sbatch scripts write when the batch
-  shell receives `--signal=B:USR1@SECONDS` (scripts/slurm/common.sh). A shared filesystem carries it to
-  every node; rank 0 reads it.
+  shell receives `--signal=B:USR1@SECONDS` or `scancel --batch --signal=USR1` (scripts/slurm/common.sh).
+  A shared filesystem carries it to every node; rank 0 reads it.
 
 The ranks agree at the end of every step (one all-reduce of a flag), so they all checkpoint the same step
-and none waits in a collective the others left. A stale request file is removed when training starts.
+and none waits in a collective the others left. The request file is consumed when the run stops on it; the
+job scripts clear stale requests and markers when a job starts (a request that arrives while the trainer
+is still loading must survive until its first step).
 """
 
 from __future__ import annotations
@@ -52,11 +56,9 @@ class PreemptionWatch:
         if threading.current_thread() is threading.main_thread():  # Python installs handlers there only
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-        if rank == 0:
-            for f in (self.request_file, self.marker_file):
-                if f.exists():
-                    logger.info("removing %s (left by the run this one resumes)", f)
-                    f.unlink(missing_ok=True)
+        if rank == 0 and self.marker_file.exists():
+            logger.info("removing %s (left by the run this one resumes)", self.marker_file)
+            self.marker_file.unlink(missing_ok=True)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self._signalled = signal.Signals(signum).name
@@ -87,6 +89,7 @@ class PreemptionWatch:
             tmp = self.marker_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"step": step, "reason": reason}) + "\n")
             tmp.replace(self.marker_file)
+            self.request_file.unlink(missing_ok=True)  # consumed: the resumed run must not stop on it again
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -130,6 +130,7 @@ gpu_count() {
 # slurm_setup: NODES from SLURM_JOB_NODELIST (via scontrol), MASTER_PORT from the job id so two
 # jobs sharing a node do not collide; installs the cleanup trap.
 slurm_setup() {
+    trap on_preempt_signal USR1   # first: the default action of USR1 would end the batch shell
     [[ -n "${SLURM_JOB_NODELIST:-}" ]] ||
         die "SLURM_JOB_NODELIST is not set: submit with sbatch (for a dry run set it and DRY_RUN=1)"
     local hosts
@@ -156,7 +157,6 @@ slurm_setup() {
     ((${SLURM_RESTART_COUNT:-0} == 0)) || log "requeued job (restart ${SLURM_RESTART_COUNT}): training resumes from its last checkpoint"
     export MASTER_PORT="${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 1000))}"
     install_cleanup_trap
-    trap on_preempt_signal USR1
 }
 
 # node_addr NAME: NAME when it resolves (getent), else the node's NodeAddr from Slurm.
@@ -187,10 +187,13 @@ addr_of() {
 
 # The batch shell got USR1 (`#SBATCH --signal=B:USR1@N` or `scancel --batch --signal=USR1`): ask the
 # trainer to checkpoint and stop at the end of its step (trainer/preempt.py reads the request file).
+# A signal before the trainer runs (server start, convert check) leaves the request in place: the trainer
+# stops after its first step. Returns 0 always (a trap's status must not trip `set -e`).
 on_preempt_signal() {
     PREEMPT_REQUESTED=1
     log "preemption signal: asking the trainer to checkpoint and stop (${OUT_DIR:-?}/preempt.request)"
-    [[ -n "$OUT_DIR" ]] && : >"$OUT_DIR/preempt.request"
+    if [[ -n "$OUT_DIR" ]] && ! is_dry_run; then : >"$OUT_DIR/preempt.request" || true; fi
+    return 0
 }
 
 # requeue_if_preempted: after training stopped, when the trainer checkpointed on a request
@@ -210,9 +213,34 @@ require_nodes() {
     ((${#NODES[@]} >= $1)) || die "this layout needs $1 node(s) but the job has ${#NODES[@]} (sbatch --nodes=$1)"
 }
 
+# prepare_out_dir OUT: the job's output folder. A preemption request or marker left by an earlier job is
+# removed here, so that only this job's requests count (a requeued job whose trainer fails early must fail,
+# not requeue again on the old marker). A USR1 that arrived before this is written out now.
 prepare_out_dir() {
     OUT_DIR=$1
-    is_dry_run || mkdir -p "$1/logs"
+    is_dry_run && return 0
+    mkdir -p "$1/logs"
+    rm -f "$1/preempt.request" "$1/preempted.json"
+    if ((PREEMPT_REQUESTED)); then : >"$1/preempt.request"; fi
+}
+
+# wait_pid PID: PID's exit status. A trapped signal (USR1) interrupts `wait` with a status > 128 while
+# the step still runs: wait again.
+wait_pid() {
+    local pid=$1 rc
+    while true; do
+        rc=0
+        wait "$pid" || rc=$?
+        if ((rc > 128)) && kill -0 "$pid" 2>/dev/null; then
+            continue
+        fi
+        if ((rc > 128)); then   # it ended as the signal came: its status is still there to collect
+            local again=0
+            wait "$pid" 2>/dev/null || again=$?
+            ((again == 127)) || rc=$again
+        fi
+        return "$rc"
+    done
 }
 
 # check_config CONFIG OVERRIDES... : fail in seconds on a bad YAML or override or a missing model/data path,
@@ -406,7 +434,7 @@ wait_training() {
                 still+=("$idx")
             else
                 rc=0
-                wait "$pid" || rc=$?
+                wait_pid "$pid" || rc=$?
                 ((rc == 0)) || training_failed "$idx" "$rc"
             fi
         done
@@ -441,7 +469,7 @@ training_failed() {
         ((i == idx)) && continue
         kill -0 "${TRAIN_PIDS[i]}" 2>/dev/null && continue
         code=0
-        wait "${TRAIN_PIDS[i]}" 2>/dev/null || code=$?
+        wait_pid "${TRAIN_PIDS[i]}" 2>/dev/null || code=$?
         ((code == 0)) || failed+=("node ${TRAIN_NODE_NAMES[i]} (node_rank $i) exited with status $code")
     done
     cause=""
@@ -487,7 +515,7 @@ convert_check() {
         pids+=("$LAST_PID")
     done
     is_dry_run || for ((i = 0; i < nnodes; i++)); do
-        wait "${pids[i]}" || die "convert hf-to-mcore failed on node ${nodes[i]} (node_rank $i)"
+        wait_pid "${pids[i]}" || die "convert hf-to-mcore failed on node ${nodes[i]} (node_rank $i)"
     done
     srun_prefix "${nodes[0]}" "$gpus"
     run_step "${SRUN_PREFIX[@]}" "$PYTHON" -m megatron_opd.cli convert mcore-to-hf --ckpt "$out/convert/mcore" \

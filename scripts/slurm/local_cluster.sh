@@ -21,6 +21,7 @@ PORT="${SLURM_LOCAL_PORT:-6917}"
 NODES=2
 CPUS="${SLURM_LOCAL_CPUS:-$(nproc)}"
 UP_TIMEOUT="${SLURM_LOCAL_TIMEOUT:-60}"
+MARK=.megatron-opd-local-cluster   # `up` only ever deletes a folder that holds this file (or an empty one)
 
 log() { printf '[local_cluster] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -120,11 +121,16 @@ cmd_up() {
     [[ $NODES =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '$NODES'"
     install_packages
     need_root "starting slurmd and munged"
-    if pid_alive "$DIR/pids/slurmctld.pid"; then
-        die "a local cluster is already up in $DIR (scripts/slurm/local_cluster.sh down first)"
+    local f
+    for f in "$DIR"/pids/*.pid; do
+        pid_alive "$f" && die "a local cluster is already up in $DIR ($(basename "$f" .pid) runs): scripts/slurm/local_cluster.sh down first"
+    done
+    if [[ -e $DIR && ! -f $DIR/$MARK ]] && [[ -n $(ls -A "$DIR" 2>/dev/null) ]]; then
+        die "SLURM_LOCAL_DIR=$DIR exists, is not empty and was not made by this script: choose another folder"
     fi
     rm -rf "$DIR"
     mkdir -p "$DIR"/{state,spool,pids,log}
+    : >"$DIR/$MARK"
     chmod 755 "$DIR"
     write_conf root
     start_munge
