@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "scripts" / "slurm"
-STEPS = 6
+STEPS = 8
 # per-step metrics that depend on wall time or the machine's load, not on the computation
 VOLATILE = re.compile(r"(time|/sec|per_s|throughput|mem|rss|_s$|elapsed|tokens_per)")
 
@@ -161,14 +161,27 @@ def test_full_job_converts_trains_exports_and_evaluates(full_job):
     print(f"full job: {full_job['seconds']:.0f} s")
 
 
+def _wait_for_text(log: Path, text: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while text not in (log.read_text(errors="replace") if log.exists() else ""):
+        assert time.time() < deadline, f"{text!r} not in the job output after {timeout}s:\n{_tail(log)}"
+        time.sleep(0.2)
+
+
 def test_preempted_job_requeues_and_ends_as_the_uninterrupted_run(cluster, inputs, full_job, tmp_path):
-    """(b): USR1 to the batch shell mid-run -> checkpoint, requeue, resume; metrics equal the full job's."""
+    """(b): USR1 to the batch shell while the job runs -> checkpoint at the end of the step, requeue, resume;
+    the metrics equal the full job's. The signal goes in once check-config has passed on both nodes, i.e.
+    while the trainer starts: a tiny step takes about a second, so a signal sent after a step is logged can
+    land after the last one on a loaded machine; the request waits for the step boundary either way."""
     out, log = tmp_path / "run", tmp_path / "job.out"
     env = _env(cluster, inputs, out)
     res = _submit(env, log, *_overrides(inputs))
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip()
-    _wait_for_step(out, 1)
+    deadline = time.time() + 180
+    while (log.read_text(errors="replace") if log.exists() else "").count("config ok:") < 2:
+        assert time.time() < deadline, _tail(log)
+        time.sleep(0.2)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
     info = _wait(env, job, ("PENDING", "COMPLETED", "FAILED"), 180, log)
     assert info["JobState"] == "PENDING" and info["Restarts"] == "1", (info, _tail(log))
@@ -196,10 +209,7 @@ def test_preemption_before_training_starts_is_kept(cluster, inputs, tmp_path):
     res = _submit(env, log, *_overrides(inputs))
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip()
-    deadline = time.time() + 120
-    while "convert check:" not in (log.read_text(errors="replace") if log.exists() else ""):
-        assert time.time() < deadline, _tail(log)
-        time.sleep(0.2)
+    _wait_for_text(log, "convert check:")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
     info = _wait(env, job, ("PENDING", "COMPLETED", "FAILED"), 300, log)
     text = log.read_text(errors="replace")
