@@ -22,7 +22,7 @@ from megatron_opd.trainer.logger import read_metrics
 pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 4
+STEPS = 6
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
