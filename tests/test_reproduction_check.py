@@ -1,0 +1,99 @@
+"""`megatron-opd check-reproduction` (metrics/reproduction.py) on synthetic runs: a set that shows inflation
+and its cure passes, and each criterion fails on its own when only its evidence is taken away."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import yaml
+
+from megatron_opd.metrics.reproduction import check, inflation_onset, load_run, main
+
+STEPS, ONSET, BUDGET = 40, 11, 128
+
+
+def _run(root: Path, preset: str, seed: int, *, inflate: bool = True, start_rep: float = 0.0,
+         adv_wins: bool = True, teacher_jump: float = 1.5, late_trunc: float = 0.2, final_acc: float = 0.44) -> Path:
+    d = root / f"{preset}-{seed}"
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(yaml.safe_dump({"algo": {"preset": preset}, "train": {"seed": seed},
+                                                   "rollout": {"seed": seed, "max_new_tokens": BUDGET}}))
+    rows = []
+    for step in range(1, STEPS + 1):
+        on = inflate and step >= ONSET
+        row = {"step": step,
+               "rollout/truncation_rate": 0.9 if on else (late_trunc if step > 20 else 0.2),
+               "rollout/repetition_rate": 0.5 if on else (start_rep if step <= 5 else 0.0),
+               "rollout/response_len_mean": 120.0 if on else 60.0,
+               "adv/repetitive_token_share": 0.3 if on else 0.0,
+               "adv/repetitive_mean": (0.5 if adv_wins else -0.5) if on else 0.0,
+               "adv/other_mean": -0.2,
+               "logp/teacher_mean": -2.0 + (teacher_jump if on else 0.0),
+               "logp/student_mean": -1.5 + (0.3 if on else 0.0)}
+        if step % 10 == 0:
+            row["eval/accuracy"] = {10: 0.3, 20: 0.4, 30: 0.45, 40: final_acc}[step]
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _set(root: Path, changes: Optional[dict] = None) -> list[Path]:
+    """3 seeds x (opd, stable_opd); `changes` maps (preset, seed) -> keyword overrides for that run."""
+    changes, dirs = changes or {}, []
+    for seed in (1, 2, 3):
+        dirs.append(_run(root, "opd", seed, **changes.get(("opd", seed), {})))
+        dirs.append(_run(root, "stable_opd", seed, **{"inflate": False, **changes.get(("stable_opd", seed), {})}))
+    return dirs
+
+
+def _verdicts(dirs):
+    return [v.ok for v in check([load_run(d) for d in dirs])]
+
+
+def test_a_set_showing_inflation_and_its_cure_passes(tmp_path, capsys):
+    dirs = _set(tmp_path)
+    assert inflation_onset(load_run(dirs[0])) == ONSET + 2  # 3-step means cross every threshold two steps in
+    assert inflation_onset(load_run(dirs[1])) is None
+    assert _verdicts(dirs) == [True, True, True, True]
+    assert main([str(d) for d in dirs]) == 0
+    assert "reproduction: PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("changes,failing", [
+    ({("opd", 2): {"start_rep": 0.2}}, 0),  # a run starts with repetition: not a valid start
+    ({("opd", 2): {"inflate": False}, ("opd", 3): {"inflate": False}}, 1),  # only 1 of 3 opd runs inflates
+    ({("opd", 1): {"adv_wins": False}}, 2),  # repetitive tokens not paid more
+    ({("opd", 3): {"teacher_jump": 0.1}}, 2),  # the teacher's log-prob rises less than the student's
+    ({("stable_opd", 2): {"late_trunc": 0.5}}, 3),  # the cure lets truncation rise
+    ({("stable_opd", 1): {"final_acc": 0.3}}, 3),  # the cure ends far below its peak accuracy
+])
+def test_each_criterion_fails_on_its_own(tmp_path, changes, failing):
+    ok = _verdicts(_set(tmp_path, changes))
+    assert ok == [i != failing for i in range(4)], ok
+
+
+def test_cure_needs_the_seeds_of_the_inflating_runs(tmp_path):
+    dirs = [d for d in _set(tmp_path) if d.name != "stable_opd-2"]
+    assert _verdicts(dirs) == [True, True, True, False]
+
+
+def test_bad_run_directory_is_named(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    d = _run(tmp_path, "opd", 1)
+    (d / "config.yaml").write_text("algo: {preset: opd}\n")
+    assert main([str(d)]) == 2
+    assert "needs algo.preset, train.seed" in capsys.readouterr().err
+
+
+def test_megatron_opd_cli_has_the_subcommand(tmp_path, capsys):
+    from megatron_opd.cli import main as cli
+
+    dirs = _set(tmp_path, {("opd", 1): {"inflate": False}, ("opd", 2): {"inflate": False}})
+    assert cli(["check-reproduction", *map(str, dirs)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] plain OPD inflates" in out and "reproduction: FAIL" in out
