@@ -419,6 +419,20 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (an empty file is {}); ConfigError names the file otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p}: not found")
+    try:
+        loaded = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {p}: invalid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p}: top level must be a mapping")
+    return loaded
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
                 defaults: Optional[list[str]] = None) -> Config:
     """Build a Config from an optional YAML file plus dotted `key=value` overrides, then validate.
@@ -427,18 +441,7 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     preset given as an override also replaces the YAML's values of its keys (only other overrides beat it).
     `defaults` (dotted `key=value`, a command's own defaults such as `sft`'s learning rate) sit below the YAML.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p}: not found")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p}: invalid YAML: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping")
-        data = loaded
+    data: dict[str, Any] = read_yaml_mapping(path) if path is not None else {}
     cli: dict[str, Any] = {}
     for item in overrides or []:
         keys, value = _parse_override(item)

@@ -273,6 +273,11 @@ def labelled_table(results: list[LabelledResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False))
+
+
 def _main_labelled(args: argparse.Namespace) -> int:
     try:
         cases = read_labelled(Path(args.labelled))
@@ -287,10 +292,7 @@ def _main_labelled(args: argparse.Namespace) -> int:
                 print(f"{r.category}: {label}: {json.dumps(item, ensure_ascii=False)}")
     print(labelled_table(results))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "labelled_audit.json").write_text(json.dumps(
-            [r.__dict__ | {"agreement": r.agreement} for r in results], indent=2, ensure_ascii=False))
+        _write_json(Path(args.out) / "labelled_audit.json", [r.__dict__ | {"agreement": r.agreement} for r in results])
     return 0 if results[-1].agreement >= args.min_agreement else 1
 
 
@@ -329,11 +331,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{name}: {len(skipped)} row(s) skipped, first: {skipped[0]}")
     print(audit_table(results))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "audit.json").write_text(json.dumps([r.__dict__ | {"accept_rate": r.accept_rate,
-                                                                   "reject_rate": r.reject_rate} for r in results],
-                                                   indent=2, ensure_ascii=False))
+        _write_json(Path(args.out) / "audit.json", [r.__dict__ | {"accept_rate": r.accept_rate,
+                                                                  "reject_rate": r.reject_rate} for r in results])
     ok = all(r.accept_rate >= args.min_accept and r.reject_rate >= args.min_reject for r in results)
     return 0 if ok else 1
 

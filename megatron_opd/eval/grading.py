@@ -93,15 +93,16 @@ _WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorn
 _PERCENT_WORD = re.compile(r"(\d)\s*(?:\\text\{\s*)?(?:percent|per\s+cent|pct)\b\}?", re.IGNORECASE)
 _LE = r"(?:\\leqslant|\\leq?(?![A-Za-z])|<=|≤)"  # not \left
 _GE = r"(?:\\geqslant|\\geq?(?![A-Za-z])|>=|≥)"
-_CHAIN = re.compile(r"^\s*(?P<a>[^<>=≤≥]+?)\s*(?P<o1>" + _LE + r"|<)\s*" + _VAR + r"\s*(?P<o2>" + _LE + r"|<)\s*(?P<b>[^<>=≤≥]+?)\s*$")
+_CHAIN = re.compile(r"^\s*(?P<a>[^<>=≤≥]+?)\s*(?P<o1>" + _LE + r"|<)\s*" + _VAR
+                    + r"\s*(?P<o2>" + _LE + r"|<)\s*(?P<b>[^<>=≤≥]+?)\s*$")
 _ONE_SIDE = re.compile(r"^\s*" + _VAR + r"\s*(?P<op>" + _LE + r"|" + _GE + r"|<|>)\s*(?P<v>[^<>=≤≥]+?)\s*$")
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _NUM_TUPLE = re.compile(r"(?<![\w\\])([(\[]\s*-?[\d.]+(?:\s*,\s*-?[\d.]+)+\s*[)\]])")
 _BOX_CONNECTOR = re.compile(r"^(?:\s|\$|,|;|\\quad|\\qquad|\\,|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b|"
                             r"\b[A-Za-z](?:_\{?\w+\}?)?\s*=)*$")  # "$\boxed{-3}$ or $x = \boxed{2}$"
-_ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+_ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*",
+                          re.IGNORECASE)
 _SCRIPTS = re.compile(r"[_^]\s*(?:\{[^{}]*\}|\w)")  # x_2, m^3, S_{10}: not values
-_VALUE_DIGIT = re.compile(r"\d")
 _EQ = re.compile(r"(?<![<>!\\=])=(?!=)")
 _HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
 
@@ -222,13 +223,17 @@ def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
     return (ans, m.start()) if _clean(ans) else None
 
 
+def _bare(s: str) -> str:
+    """`s` without ``\\text{}``-like groups and LaTeX command names (what is left reads as words/letters)."""
+    return _COMMANDS.sub(" ", _TEXT_GROUPS.sub(" ", s))
+
+
 def _is_math(m: re.Match) -> bool:
     """A ``$...$`` span that is math, not prose between two currency signs (``20 $ to Jack ... 120$``)."""
     content = next(g for g in m.groups() if g is not None)
     if m.group(2) is not None and "\n" in content:
         return False
-    words = _COMMANDS.sub(" ", _TEXT_GROUPS.sub(" ", content))
-    return not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}", words)
+    return not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}\s+[A-Za-z]{2,}", _bare(content))
 
 
 def _in_parentheses(text: str, pos: int) -> bool:
@@ -248,19 +253,18 @@ def _final_line_answer(text: str, phrase: tuple[str, int], after: int) -> bool:
     line = _FINAL_LINE.search(text, after)
     if line is None or not line.start() <= start <= line.end() + 1 or _BOX_RE.search(ans):
         return False
-    words = _COMMANDS.sub(" ", _TEXT_GROUPS.sub(" ", ans))
-    return bool(re.search(r"[\d\\]", ans)) and not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", words)
+    return bool(re.search(r"[\d\\]", ans)) and not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", _bare(ans))
 
 
 def _prose_answer(text: str) -> Optional[str]:
     """An answer written in prose without a box: the last math span when nothing numeric follows it (its
     right-hand side after ``=``, unless it states an inequality), else a final numeric tuple."""
-    spans = [m for m in _MATH_SPAN.finditer(text) if not _in_parentheses(text, m.start()) and _is_math(m)]
-    if spans:
-        m = spans[-1]
+    m = next((m for m in reversed(list(_MATH_SPAN.finditer(text)))
+              if _is_math(m) and not _in_parentheses(text, m.start())), None)
+    if m is not None:
         content = next(g for g in m.groups() if g is not None).strip()
         sentence = re.split(r"[.!?]\s|\n", _MATH_SPAN.sub(" ", text[:m.start()]))[-1]
-        if (_VALUE_DIGIT.search(_SCRIPTS.sub(" ", _TEXT_GROUPS.sub(" ", content)))
+        if (re.search(r"\d", _SCRIPTS.sub(" ", _TEXT_GROUPS.sub(" ", content)))
                 and not re.search(r"\d", _PAREN_REMARK.sub(" ", text[m.end():]))
                 and not re.search(r"\d", sentence)):
             if "=" in content and not re.search(_LE + "|" + _GE + "|[<>]", content):
@@ -317,11 +321,9 @@ def normalize_answer(ans: str) -> str:
     s = _plain_math(s)
     s = _PERCENT_WORD.sub(r"\1\\%", s)
     s = _interval(s)
-    for named in (_NAME_LEFT, _NAME_RIGHT):
-        m = named.match(s)
-        if m and m.group("rest").strip():
-            s = m.group("rest").strip()
-            break
+    named = _named(s)
+    if named is not None and named[1]:
+        s = named[1]
     m = _NUMBER_THEN_UNIT.match(s)
     if m:
         s = m.group(1)
@@ -377,22 +379,22 @@ _UNIT_NAMES = {"centimeter": "cm", "millimeter": "mm", "kilometer": "km", "meter
                "watt": "W", "volt": "V", "hertz": "Hz", "kelvin": "K"}
 
 
-def _answer_name(ans: str) -> Optional[str]:
-    """The name an answer is given under (``x`` of ``x = 3``, ``(a, b)`` of ``(a,b)=(4,1)``, ``y`` of ``5=y``)."""
-    for named, side in ((_NAME_LEFT, "left"), (_NAME_RIGHT, "right")):
-        m = named.match(ans)
-        if m:
-            rest = m.group("rest")
-            return ans[:m.start("rest")].rstrip(" =") if side == "left" else ans[m.end("rest"):].lstrip(" =")
+def _named(ans: str) -> Optional[tuple[str, str]]:
+    """(name, value) of an answer given under a name: ``x = 3``, ``(a,b)=(4,1)``, ``5=y``; None otherwise."""
+    m = _NAME_LEFT.match(ans)
+    if m:
+        return ans[:m.start("rest")].rstrip(" ="), m.group("rest").strip()
+    m = _NAME_RIGHT.match(ans)
+    if m:
+        return ans[m.end("rest"):].lstrip(" ="), m.group("rest").strip()
     return None
 
 
 def _value_side(ans: str) -> str:
     """The value of an equation: the side that is not a name, else the right-hand side."""
-    for named in (_NAME_LEFT, _NAME_RIGHT):
-        m = named.match(ans)
-        if m:
-            return m.group("rest").strip()
+    named = _named(ans)
+    if named is not None:
+        return named[1]
     return _EQ.split(ans)[-1].strip() or ans
 
 
@@ -424,9 +426,7 @@ def answer_unit(ans: str) -> Optional[str]:
 def symbol_letters(ans: str) -> set[str]:
     """Letters that name variables or symbols in an answer: LaTeX commands, ``\\text{}``-like groups, a
     leading ``x =`` and the constants ``e`` and ``i`` do not count."""
-    s = _TEXT_GROUPS.sub(" ", ans)
-    s = _COMMANDS.sub(" ", s)
-    s = _ASSIGNMENT.sub("", s)
+    s = _ASSIGNMENT.sub("", _bare(ans))
     return {c for c in s if c.isascii() and c.isalpha()} - {"e", "i"}
 
 
@@ -491,8 +491,8 @@ def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: 
     from math_verify import verify
 
     pred, gold = _clean(pred), _clean(gold)
-    names = _answer_name(pred), _answer_name(gold)
-    if all(names) and canonical_text(names[0]) != canonical_text(names[1]):
+    names = _named(pred), _named(gold)
+    if all(names) and canonical_text(names[0][0]) != canonical_text(names[1][0]):
         return False  # "y=3" is not "x=3", "(b,a)=(4,1)" is not "(a,b)=(4,1)"
     if bool(_EQ.search(pred)) != bool(_EQ.search(gold)):  # "m+n=17", "AB = 5" against a bare "17", "5"
         pred, gold = (_value_side(pred), gold) if _EQ.search(pred) else (pred, _value_side(gold))
@@ -550,6 +550,6 @@ def grade_response(response: str, gold: str, timeout_s: Optional[int] = 5, abs_t
     return grade_answer(ext.answer, gold, timeout_s, ext.method, abs_tol=abs_tol)
 
 
-__all__ = ["Extraction", "GradeResult", "GradeStatus", "REL_TOL", "answer_unit", "answers_equivalent", "extract_answer",
-           "canonical_text", "extract_boxed", "grade_answer", "grade_response", "normalize_answer", "numbers_close",
-           "symbol_letters"]
+__all__ = ["Extraction", "GradeResult", "GradeStatus", "REL_TOL", "answer_unit", "answers_equivalent",
+           "extract_answer", "canonical_text", "extract_boxed", "grade_answer", "grade_response", "normalize_answer",
+           "numbers_close", "symbol_letters"]

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
+from megatron_opd.config import ConfigError, read_yaml_mapping
 from megatron_opd.trainer.logger import read_metrics
 
 START_STEPS = 5
@@ -70,7 +69,6 @@ class Verdict:
     name: str
     ok: bool
     detail: str
-    runs: list[str] = field(default_factory=list)
 
 
 def load_run(path: Path) -> Run:
@@ -78,9 +76,9 @@ def load_run(path: Path) -> Run:
     if not cfg_file.is_file():
         raise RunError(f"{path}: no config.yaml (is it a run directory?)")
     try:
-        cfg = yaml.safe_load(cfg_file.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RunError(f"{cfg_file}: not YAML ({e})") from e
+        cfg = read_yaml_mapping(cfg_file)
+    except ConfigError as e:
+        raise RunError(str(e)) from e
     try:
         rows = read_metrics(path)
     except (FileNotFoundError, ValueError) as e:
@@ -146,7 +144,8 @@ def check(runs: list[Run]) -> list[Verdict]:
     onsets = {r.path: inflation_onset(r) for r in opd}
     inflating = [r for r in opd if onsets[r.path] is not None]
     need = max(MIN_INFLATING, math.ceil(2 * len(opd) / 3))
-    verdicts.append(Verdict(f"plain OPD inflates (>= {need} of {len(opd)} opd runs)", len(inflating) >= need and bool(opd),
+    verdicts.append(Verdict(f"plain OPD inflates (>= {need} of {len(opd)} opd runs)",
+                            len(inflating) >= need and bool(opd),
                             ", ".join(f"{r.name}: onset {onsets[r.path]}" for r in opd) or "no opd run"))
 
     mech = []
@@ -190,7 +189,8 @@ def check(runs: list[Run]) -> list[Verdict]:
     ok_cure &= len(stable) == len(seeds) and bool(stable)
     verdicts.append(Verdict("stable_opd on the same seeds (truncation <= B + 0.15, repetition <= 0.1, final "
                             "accuracy >= peak - 0.1)", ok_cure,
-                            "; ".join(cure) or f"no stable_opd run with the seeds of an inflating opd run ({sorted(seeds)})"))
+                            "; ".join(cure)
+                            or f"no stable_opd run with the seeds of an inflating opd run ({sorted(seeds)})"))
     return verdicts
 
 
