@@ -396,7 +396,7 @@ start_training() {
     shift 3
     local -a nodes
     IFS=, read -r -a nodes <<<"$nodes_csv"
-    local nnodes=${#nodes[@]} nproc i
+    local nproc
     nproc=$(ranks_per_node "$gpus")
     local master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
     TRAIN_NPROC=$nproc
@@ -406,15 +406,30 @@ start_training() {
     fi
     # where a disaggregated rollout server reaches trainer rank 0 for the weight-sync rendezvous
     export MEGATRON_OPD_WEIGHT_SYNC_ADDR="${MEGATRON_OPD_WEIGHT_SYNC_ADDR:-$master}"
+    torchrun_nodes train "$MASTER_PORT" "$nproc" "$gpus" "$out" "$nodes_csv" train "$@"
+    TRAIN_PIDS+=(${NODE_PIDS[@]+"${NODE_PIDS[@]}"})
+    TRAIN_NODE_NAMES+=("${nodes[@]}")
+}
+
+# torchrun_nodes NAME PORT NPROC GPUS OUT_DIR NODES_CSV CLI_ARGS... : one torchrun per node of NODES_CSV (static
+# rendezvous on the first node's address at PORT, node_rank = position) running `megatron_opd.cli CLI_ARGS`;
+# node 0 logs to the job's output, the others to OUT_DIR/logs/NAME.nodeK.log. Sets NODE_PIDS.
+NODE_PIDS=()
+torchrun_nodes() {
+    local name=$1 port=$2 nproc=$3 gpus=$4 out=$5 nodes_csv=$6
+    shift 6
+    local -a nodes
+    IFS=, read -r -a nodes <<<"$nodes_csv"
+    local nnodes=${#nodes[@]} i master
+    master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
+    NODE_PIDS=()
     for ((i = 0; i < nnodes; i++)); do
         local logfile=-
-        ((i == 0)) || logfile="$out/logs/train.node$i.log"
+        ((i == 0)) || logfile="$out/logs/$name.node$i.log"
         srun_prefix "${nodes[i]}" "$gpus"
         launch_bg "$logfile" "${SRUN_PREFIX[@]}" "$TORCHRUN" --nnodes="$nnodes" --nproc_per_node="$nproc" \
-            --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$MASTER_PORT" \
-            -m megatron_opd.cli train "$@"
-        TRAIN_PIDS+=("$LAST_PID")
-        TRAIN_NODE_NAMES+=("${nodes[i]}")
+            --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$port" -m megatron_opd.cli "$@"
+        NODE_PIDS+=("$LAST_PID")
     done
 }
 
@@ -488,7 +503,7 @@ convert_check() {
     local nodes_csv=$1 gpus=$2 out=$3 model=$4 tp=$5 pp=$6
     local -a nodes
     IFS=, read -r -a nodes <<<"$nodes_csv"
-    local nnodes=${#nodes[@]} nproc i master backend=nccl mp=$((tp * pp))
+    local nnodes=${#nodes[@]} nproc i backend=nccl mp=$((tp * pp))
     nproc=$(ranks_per_node "$gpus")
     ((GPUS_PER_NODE > 0)) || backend=gloo
     # the converter runs exactly tp*pp ranks: spread over all the nodes when they divide it, else on the first
@@ -501,21 +516,13 @@ convert_check() {
     else
         die "CONVERT_CHECK: tp*pp=$mp ranks do not fit nodes $nodes_csv ($nnodes x $nproc ranks)"
     fi
-    master=${MASTER_ADDR:-$(addr_of "${nodes[0]}")}
     log "convert check: hf->mcore tp=$tp pp=$pp as $nnodes node(s) x $nproc rank(s), then mcore->hf --verify"
-    local -a pids=()
-    for ((i = 0; i < nnodes; i++)); do
-        local logfile=-
-        ((i == 0)) || logfile="$out/logs/convert.node$i.log"
-        srun_prefix "${nodes[i]}" "$gpus"
-        launch_bg "$logfile" "${SRUN_PREFIX[@]}" "$TORCHRUN" --nnodes="$nnodes" --nproc_per_node="$nproc" \
-            --node_rank="$i" --rdzv_backend=static --rdzv_endpoint="$master:$((MASTER_PORT + 1))" \
-            -m megatron_opd.cli convert hf-to-mcore --hf "$model" --out "$out/convert/mcore" --tp "$tp" --pp "$pp" \
-            --backend "$backend" --overwrite
-        pids+=("$LAST_PID")
-    done
+    local used
+    used=$(IFS=,; echo "${nodes[*]}")
+    torchrun_nodes convert $((MASTER_PORT + 1)) "$nproc" "$gpus" "$out" "$used" convert hf-to-mcore --hf "$model" \
+        --out "$out/convert/mcore" --tp "$tp" --pp "$pp" --backend "$backend" --overwrite
     is_dry_run || for ((i = 0; i < nnodes; i++)); do
-        wait_pid "${pids[i]}" || die "convert hf-to-mcore failed on node ${nodes[i]} (node_rank $i)"
+        wait_pid "${NODE_PIDS[i]}" || die "convert hf-to-mcore failed on node ${nodes[i]} (node_rank $i)"
     done
     srun_prefix "${nodes[0]}" "$gpus"
     run_step "${SRUN_PREFIX[@]}" "$PYTHON" -m megatron_opd.cli convert mcore-to-hf --ckpt "$out/convert/mcore" \
