@@ -25,8 +25,14 @@ def test_math_train_golden_answers_verify(shared_data):
     path = shared_data / "math_train.jsonl"
     rows = [row for _, row in iter_rows(path)]
     assert len(rows) == 7500 and all(isinstance(r, dict) for r in rows)
-    # the full pipeline (extraction + grading) on every golden solution: measured 7500/7500
-    assert [r["id"] for r in rows if not grade_response(r["solution"], r["answer"]).correct] == []
+    # the full pipeline (extraction + grading) on every golden solution: measured 7490/7500. The other 10
+    # box several answers side by side (`\\boxed{12}` and `\\boxed{18}`), which the grader reads as one
+    # multi-answer, while MATH's `answer` keeps only the last box; against all the boxes they are right
+    wrong = [r for r in rows if not grade_response(r["solution"], r["answer"]).correct]
+    assert len(wrong) <= 10, [r["id"] for r in wrong]
+    for r in wrong:
+        assert len(r.get("all_boxed", [])) >= 2, r["id"]
+        assert grade_response(r["solution"], ", ".join(r["all_boxed"])).correct, r["id"]
     ps = load_prompts(path, CFG, tok, require_solution=True, limit=400)
     assert len(ps) == 400 and ps.bad == [] and all(r.solution_ids[-1] == tok.eos_token_id for r in ps)
     # math-verify itself, no exact-string shortcut, on a fixed random sample (measured 100%: 7500/7500)
