@@ -39,6 +39,13 @@ def test_parse_contract():
         parse_sglang_output(bad, 0, [1], SP, {2}, 0)
 
 
+def test_parse_eos_at_the_budget_is_not_truncated():
+    """SGLang says finish_reason=length when EOS is the budget's last token: complete, as in LocalEngine."""
+    s = parse_sglang_output(out([5, 6, 7, 2], "length"), 0, [1], SP, {2}, 0)
+    assert s.finish_reason == "stop" and not s.truncated
+    assert parse_sglang_output(out([5, 6, 7, 8], "length"), 0, [1], SP, {2}, 0).truncated
+
+
 FAKE = r'''
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer

@@ -70,7 +70,9 @@ def sglang_sampling_params(sp: SamplingParams, stop_ids: list[int], row_seed: Op
 
 def parse_sglang_output(out: dict, prompt_index: int, prompt: list[int], sp: SamplingParams, stop: set[int],
                         version: int) -> Sample:
-    """One SGLang /generate result -> Sample, enforcing the contract (stop token included, exact length)."""
+    """One SGLang /generate result -> Sample, enforcing the contract (stop token included, exact length).
+    Truncated means no stop token at the end, as in LocalEngine: SGLang says finish_reason=length when the
+    stop token is the budget's last token, and that response is complete ("stop")."""
     ids = [int(t) for t in out.get("output_ids", [])]
     meta = out.get("meta_info", {})
     reason = (meta.get("finish_reason") or {}).get("type")
@@ -86,6 +88,8 @@ def parse_sglang_output(out: dict, prompt_index: int, prompt: list[int], sp: Sam
     if reason == "length" and len(ids) != sp.max_new_tokens:
         raise SGLangOutputError(f"{where}: finish_reason=length with {len(ids)} tokens != max_new_tokens "
                                 f"{sp.max_new_tokens} (context length limit?)")
+    if reason == "length" and ids and ids[-1] in stop:
+        reason = "stop"
     return Sample(prompt_index=prompt_index, prompt_ids=list(prompt), response_ids=ids, logprobs=[float(x) for x in lps],
                   finish_reason=reason, weight_version=version)
 
