@@ -18,8 +18,10 @@ import torch
 
 from _dist import run_distributed
 from _tiny import tiny_setup, train_to_end
-from megatron_opd.config import ConfigError, load_config
+from megatron_opd.algo.objective import stable_opd_loss, term_masks
+from megatron_opd.config import AlgoConfig, ConfigError, load_config
 from megatron_opd.trainer.logger import read_metrics
+from megatron_opd.trainer.policy import _mean_stats
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +167,38 @@ def test_whitening_with_global_stats_equals_whitening_the_union():
     assert (local - whole[:2]).abs().max() > 1e-3  # per-part whitening (the old behaviour) differs
 
 
+def test_stats_of_uneven_parts_merge_to_the_whole_minibatch():
+    """Micro-batches / data-parallel ranks with different token counts (one with no policy token at all):
+    the merged stats equal the whole minibatch's, means and rates weighted by each part's tokens."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 7, 6
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[:, 0] = True
+    gold = torch.tensor([True, False, False, False, True, False, False])
+    trunc = torch.tensor([False, False, True, False, False, False, False])
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = old - torch.rand(B, T, generator=g, dtype=torch.float64) * 0.6  # every ratio < 1: ratio_max < 1
+    inputs = dict(logp=logp, old_logp=old, teacher_logp=-torch.rand(B, T, generator=g, dtype=torch.float64) * 3,
+                  ref_logp=-torch.rand(B, T, generator=g, dtype=torch.float64) * 3, response_mask=mask,
+                  is_golden=gold, truncated=trunc)
+    cfg = AlgoConfig(beta_kl=0.1, kl_estimator="k3", lambda_gold=0.5, mask_truncated=True, clip_eps_low=0.1,
+                     clip_eps_high=0.1)
+    _, whole = stable_opd_loss(cfg, **inputs)
+    counts = {k: (float(m.sum()), float((m.sum(-1) > 0).sum())) for k, m in term_masks(cfg, mask, gold, trunc).items()}
+    parts = [slice(0, 1), slice(1, 5), slice(5, 7)]  # the first: one golden row, no policy token
+    rows = []
+    for s in parts:
+        _, st = stable_opd_loss(cfg, **{k: v[s] for k, v in inputs.items()}, global_counts=counts)
+        for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares scaled as Trainer._loss_fn does
+            st[k] *= len(parts)
+        rows.append(st)
+    assert rows[0]["n_pg_tokens"] == 0 and whole["ratio_max"] < 1 and whole["clipfrac"] > 0
+    merged = _mean_stats(rows)
+    assert merged.keys() == whole.keys()
+    for k, v in whole.items():
+        assert merged[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+
+
 @pytest.mark.dist
 def test_adv_normalize_dp2_matches_single_process(setup, tmp_path):
     _root, student, teacher, data = setup
@@ -179,6 +213,42 @@ def test_adv_normalize_dp2_matches_single_process(setup, tmp_path):
     a, b = read_metrics(single)[0], read_metrics(multi)[0]
     for key in ("loss/pg_loss", "loss/total_loss", "loss/grad_norm", "loss/golden_loss"):
         assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), key
+
+
+def _uneven_rank_stats(rank, world_size, overrides):
+    """DP=2, rank 0 with 4 response tokens and rank 1 with 1: train_minibatch's stats of one minibatch."""
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        items = [SequenceItem([5, 6, 7], [8, 9, 10, 2])] if rank == 0 else [SequenceItem([5, 7], [2])]
+        batch = build_batch(items, trainer.pad_id)
+        seen = []
+
+        def loss_fn(logp, _logits, b, _full):
+            lp = logp[b.response_mask]
+            seen.append((float(lp.sum()), lp.numel()))
+            return -lp.sum() / 5.0, {"adv_raw_mean": float(lp.mean()), "n_pg_tokens": float(lp.numel())}
+
+        return {"stats": trainer.student.train_minibatch([batch], loss_fn, False), "seen": seen}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.dist
+def test_train_stats_are_over_the_tokens_of_every_rank(setup, tmp_path):
+    _root, student, teacher, data = setup
+    overrides = [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=hf",
+                 f"data.train_path={data['train']}", "algo.preset=opd", "train.steps=1",
+                 "rollout.max_new_tokens=8", f"logging.out_dir={tmp_path / 'out'}", "logging.progress_bar=false",
+                 "logging.tensorboard=false"]
+    res = run_distributed(_uneven_rank_stats, 2, overrides, timeout=300)
+    (s0, n0), (s1, n1) = res[0]["seen"][0], res[1]["seen"][0]
+    assert (n0, n1) == (4, 1)
+    for r in res:  # every rank: the token mean over both ranks, not the mean of the two ranks' means
+        assert r["stats"]["adv_raw_mean"] == pytest.approx((s0 + s1) / 5, rel=1e-6)
+        assert r["stats"]["n_pg_tokens"] == 5.0
 
 
 # -- 4. KL estimators in the objective -----------------------------------------------------------
@@ -302,7 +372,7 @@ def test_nan_logits_on_one_rank_skip_the_update_on_every_rank(setup, tmp_path):
 
 
 def test_golden_prompt_picks_are_spread_and_rotate():
-    from megatron_opd.trainer.loop import golden_prompt_picks
+    from megatron_opd.trainer.mixture import golden_prompt_picks
 
     assert golden_prompt_picks(4, 2, 0) == [0, 2]
     assert golden_prompt_picks(4, 2, 1) == [1, 3]
@@ -313,7 +383,7 @@ def test_golden_prompt_picks_are_spread_and_rotate():
 
 
 def test_golden_response_ends_with_the_stop_id_or_is_truncated():
-    from megatron_opd.trainer.loop import golden_response
+    from megatron_opd.trainer.mixture import golden_response
 
     assert golden_response([4, 5, 3], [3, 9], 10, eos_id=3) == ([4, 5, 3], False)  # already a stop id
     assert golden_response([4, 5, 3], [9], 10, eos_id=3) == ([4, 5, 9], False)  # tokenizer EOS -> engine's
@@ -332,16 +402,17 @@ class _FakeEngine:
                        finish_reason="stop") for i, p in enumerate(prompts) for _ in range(sp.n)]
 
 
-def _fake_trainer(records, max_new_tokens: int, step: int):
-    from megatron_opd.trainer.loop import Trainer
+def _fake_rollouts(records, max_new_tokens: int):
+    """The rollout stage without an engine process: the attributes `Rollouts.generate` reads."""
+    from megatron_opd.trainer.rollouts import Rollouts
 
-    t = Trainer.__new__(Trainer)
-    t.cfg = load_config(None, ["algo.preset=stable_opd", "algo.mixture_ratio=0.34", "rollout.n_samples_per_prompt=1",
+    r = Rollouts.__new__(Rollouts)
+    r.cfg = load_config(None, ["algo.preset=stable_opd", "algo.mixture_ratio=0.34", "rollout.n_samples_per_prompt=1",
                                f"rollout.max_new_tokens={max_new_tokens}"])
-    t.sampler = SimpleNamespace(next_batch=lambda: records)
-    t.engine, t.teacher, t.step, t.dp_size, t.weight_version = _FakeEngine(), None, step, 1, 0
-    t.tokenizer = SimpleNamespace(eos_token_id=3, decode=lambda ids, skip_special_tokens=True: "x")
-    return t
+    r.sampler = SimpleNamespace(next_batch=lambda: records)
+    r.engine, r.controller_scores, r.dp_parts, r.weight_version = _FakeEngine(), None, 1, 0
+    r.tokenizer = SimpleNamespace(eos_token_id=3, decode=lambda ids, skip_special_tokens=True: "x")
+    return r
 
 
 def test_trainer_golden_samples_spread_end_with_stop_id_and_mark_truncation():
@@ -351,14 +422,14 @@ def test_trainer_golden_samples_spread_end_with_stop_id_and_mark_truncation():
                             solution_ids=[30 + i] * (2 + i) + [3]) for i in range(4)]
     picked = []
     for step in range(2):
-        payload = _fake_trainer(records, 12, step)._rollout(step, 0)
+        payload = _fake_rollouts(records, 12).generate(step, 0)
         gold = [it for it in payload["items"] if it.is_golden]
         assert len(gold) == 2
         picked.append(sorted(it.prompt_index for it in gold))
         for it in gold:
             assert it.response_ids[-1] == 7 and not it.truncated  # the engine's stop id, not the tokenizer's 3
     assert picked == [[0, 2], [1, 3]]  # spread over the prompts and rotating (was [0, 1] every step)
-    payload = _fake_trainer(records, 3, 0)._rollout(0, 0)
+    payload = _fake_rollouts(records, 3).generate(0, 0)
     gold = {it.prompt_index: it for it in payload["items"] if it.is_golden}
     assert gold[0].response_ids == [30, 30, 7] and not gold[0].truncated
     assert gold[2].response_ids == [32, 32, 32] and gold[2].truncated  # cut by max_new_tokens: truncated
@@ -368,18 +439,18 @@ def test_micro_batches_are_balanced_and_trimmed_per_micro_batch():
     """10 rows at micro_batch_size 8 train as 5 + 5 (not 8 + 2 padded to 8 + 8), each micro-batch only as
     long as its own longest row under PP=1; under PP>1 one length for all."""
     from megatron_opd.trainer.batch import SequenceItem, build_batch
-    from megatron_opd.trainer.loop import Trainer
+    from megatron_opd.trainer.learner import Learner
 
     items = [SequenceItem([1, 2], [3] * (2 if i < 5 else 9)) for i in range(10)]
     batch = build_batch(items, 0)
     fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8),
                                                parallel=SimpleNamespace(pipeline_model_parallel_size=1)),
                            student=SimpleNamespace(seq_multiple=1))
-    parts = Trainer._micro_batches(fake, batch, list(range(10)))
+    parts = Learner.micro_batches(fake, batch, list(range(10)))
     assert [p.batch_size for p in parts] == [5, 5]
     assert [p.tokens.shape[1] for p in parts] == [4, 11]
     assert [p.source_rows.tolist() for p in parts] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     fake.cfg.parallel.pipeline_model_parallel_size, fake.cfg.train.micro_batch_size = 2, 4
-    parts = Trainer._micro_batches(fake, batch, list(range(7)))  # 7 rows at 4: 4 + 3, the second padded to 4
+    parts = Learner.micro_batches(fake, batch, list(range(7)))  # 7 rows at 4: 4 + 3, the second padded to 4
     assert [p.batch_size for p in parts] == [4, 4] and int(parts[1].response_mask[3].sum()) == 0
     assert {p.tokens.shape[1] for p in parts} == {11}

@@ -265,7 +265,8 @@ class MegatronPolicy:
         """One optimizer step over `micro_batches` (same shape each; gradients accumulate through
         megatron's schedule, which averages the micro-batch losses). A non-finite log-prob, loss or
         gradient skips the update (weights and optimizer state untouched); `update_skipped` and
-        `nonfinite_loss` / `nonfinite_grad` report it. Returns per-micro-batch stats averaged.
+        `nonfinite_loss` / `nonfinite_grad` report it. Returns the stats of the whole minibatch (every
+        micro-batch on every data-parallel rank, merged by `_mean_stats`), the same on each rank.
 
         `ref_logits(micro_batch)`, if given, is called right before each micro-batch's forward and its
         result set as `micro_batch.ref_logits`; whichever way they came, a micro-batch's reference
@@ -302,7 +303,7 @@ class MegatronPolicy:
         for b in micro_batches:  # the device copies hold them now, each dropped after its loss
             b.ref_logits = None
         forward_backward(self.model, micro, _loss, prepare=_prepare if ref_logits else None)
-        stats = _mean_stats(per_micro)
+        stats = _mean_stats(_dp_rows(per_micro))
         if _broadcast_flag(stats.get("nonfinite_loss", 0.0)):
             zero_grads(self.setup)
             stats.update(update_skipped=1.0, nonfinite_loss=1.0, grad_norm=float("nan"))
@@ -394,13 +395,60 @@ def _uses_te_names(model: torch.nn.Module) -> bool:
     return any(k.endswith("layer_norm_weight") for k in model.state_dict())
 
 
+# `stable_opd_loss`'s means over the policy tokens (weighed by n_pg_tokens when merged) and its counts
+_PG_MEANS = ("clipfrac", "clipfrac_lower", "ratio_mean", "approx_kl_old", "adv_mean", "adv_raw_mean")
+_COUNTS = ("n_pg_tokens", "n_rollout_tokens", "n_golden_tokens")
+
+
 def _mean_stats(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Average of per-micro-batch stats; a flag (nonfinite_*) is kept if any micro-batch raised it."""
+    """Merge per-part stats (micro-batches on all data-parallel ranks) into the whole minibatch's values.
+
+    Token means and rates are weighted by their parts' token counts, `adv_std` is pooled, `ratio_max` is
+    a max over parts that have policy tokens and counts add up, so each equals the value computed on the
+    whole minibatch at once. Every other key (the loss shares, already scaled by the number of parts) is
+    a plain mean; a flag (nonfinite_*) is kept if any part raised it."""
     out: dict[str, float] = {}
     for k in sorted({k for r in rows for k in r}):
-        vals = [r[k] for r in rows if k in r]
-        out[k] = max(vals) if k.startswith("nonfinite") else sum(vals) / len(vals)
+        have = [r for r in rows if k in r]
+        vals = [r[k] for r in have]
+        if k.startswith("nonfinite"):
+            out[k] = max(vals)
+        elif k in _COUNTS:
+            out[k] = sum(vals)
+        elif k in _PG_MEANS or k in ("adv_std", "ratio_max"):
+            w = [r.get("n_pg_tokens", 1.0) for r in have]
+            if k == "ratio_max":
+                out[k] = max((v for v, n in zip(vals, w) if n > 0), default=1.0)
+            elif k == "adv_std":  # E[A^2] - E[A]^2 over all parts, from each part's mean and std
+                mean = _weighted([r.get("adv_mean", 0.0) for r in have], w)
+                second = _weighted([v * v + r.get("adv_mean", 0.0) ** 2 for v, r in zip(vals, have)], w)
+                out[k] = math.sqrt(max(second - mean * mean, 0.0))
+            else:
+                out[k] = _weighted(vals, w)
+        else:
+            out[k] = sum(vals) / len(vals)
     return out
+
+
+def _dp_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The per-micro-batch stats of every data-parallel rank: merged in one go they give the whole
+    minibatch's values; a mean of per-rank means would weigh a rank's few tokens like another's many."""
+    import torch.distributed as dist
+
+    from megatron_opd.models.parallel import host_group
+
+    group = host_group("dp") if dist.is_initialized() else None
+    if group is None:
+        return rows
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, rows, group=group)
+    return [r for part in parts for r in part]
+
+
+def _weighted(vals: list[float], weights: list[float]) -> float:
+    """Weighted mean; 0 when no part has weight (masked_mean of an empty set)."""
+    total = sum(weights)
+    return sum(v * w for v, w in zip(vals, weights)) / total if total > 0 else 0.0
 
 
 def _pad_t(x: torch.Tensor, t: int) -> torch.Tensor:
