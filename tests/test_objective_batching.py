@@ -19,9 +19,10 @@ import torch
 from _dist import run_distributed
 from _tiny import tiny_setup, train_to_end
 from megatron_opd.algo.objective import stable_opd_loss, term_masks
+from megatron_opd.algo.ref_kl import full_kl, full_kl_reference
 from megatron_opd.config import AlgoConfig, ConfigError, load_config
 from megatron_opd.trainer.logger import read_metrics
-from megatron_opd.trainer.policy import _mean_stats
+from megatron_opd.trainer.policy import MegatronPolicy, _mean_stats
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +136,19 @@ def test_policy_log_probs_use_the_rollout_temperature_teacher_stays_at_one(setup
         trainer.close()
 
 
+def test_tempered_bf16_logits_for_the_full_kl_are_divided_in_fp32():
+    """bf16 response logits at rollout.temperature=0.7: the full KL from `response_logits` is the fp32 one
+    of the same logits, not that of a bf16 quotient (rounded by up to 2^-9 of each logit)."""
+    g = torch.Generator().manual_seed(4)
+    z, w = (torch.randn(16, 512, generator=g).mul(6).bfloat16() for _ in range(2))
+    stub = SimpleNamespace(temperature=0.7, vocab_size=512, tp_group=None, _rows=lambda logits, _batch: logits)
+    zt, wt = (MegatronPolicy.response_logits(stub, x, None) for x in (z, w))
+    exact = full_kl_reference(z.double() / 0.7, w.double() / 0.7)
+    torch.testing.assert_close(full_kl(zt, wt).double(), exact, rtol=1e-5, atol=1e-6)
+    bf16_quotient = full_kl(z / 0.7, w / 0.7).double()  # the old path
+    assert (bf16_quotient - exact).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("override,key", [("rollout.top_p=0.9", "rollout.top_p"), ("rollout.top_k=20", "rollout.top_k")])
 def test_truncated_sampling_is_rejected_unless_allowed(override, key, caplog):
     with pytest.raises(ConfigError, match=f"^{key}: .*allow_truncated_sampling"):
@@ -189,7 +203,7 @@ def test_stats_of_uneven_parts_merge_to_the_whole_minibatch():
     rows = []
     for s in parts:
         _, st = stable_opd_loss(cfg, **{k: v[s] for k, v in inputs.items()}, global_counts=counts)
-        for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares scaled as Trainer._loss_fn does
+        for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares scaled as Learner.loss_fn does
             st[k] *= len(parts)
         rows.append(st)
     assert rows[0]["n_pg_tokens"] == 0 and whole["ratio_max"] < 1 and whole["clipfrac"] > 0

@@ -126,12 +126,14 @@ class MegatronPolicy:
         return self._scatter(vals, batch)
 
     def response_logits(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-        """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked)."""
+        """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked), divided
+        by the temperature T. At T != 1 they are fp32: a bf16 quotient would be rounded by up to 2^-9 of
+        each logit, an error in the full KL far above fp32's; at T = 1 they stay in the model's dtype."""
         from megatron_opd.models.logprobs import mask_vocab_padding
 
         rows = self._rows(logits, batch)
         if self.temperature != 1.0:
-            rows = rows / self.temperature
+            rows = rows.to(torch.promote_types(rows.dtype, torch.float32)) / self.temperature
         return mask_vocab_padding(rows, self.vocab_size, self.tp_group)
 
     def topk_logp(self, logits: torch.Tensor, batch: TrainBatch, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -198,8 +200,9 @@ class MegatronPolicy:
         """(logp [B, T] fp32 on the CPU, response logits [N, V/tp] or None) on the last stage; (None, None)
         elsewhere.
 
-        Memory: `want_logits` keeps [N, V/tp] in the model's dtype for all N response tokens of
-        `batch`; the trainer asks for it per micro-batch (`response_logits_for`), never per step."""
+        Memory: `want_logits` keeps [N, V/tp] (`response_logits`: the model's dtype, fp32 at T != 1) for
+        all N response tokens of `batch`; the trainer asks for it per micro-batch (`response_logits_for`),
+        never per step."""
         from megatron_opd.models.logprobs import forward_backward
 
         was_training = self.model.training
@@ -214,7 +217,7 @@ class MegatronPolicy:
                 def loss_fn(logits: torch.Tensor, mbd: dict):
                     mb = mbd["batch"]
                     logps.append(_pad_t(self._token_logp(logits, mb).cpu(), batch.response_mask.shape[1]))
-                    if want_logits:  # model dtype: full_kl upcasts chunk by chunk
+                    if want_logits:  # model dtype at T = 1: full_kl upcasts chunk by chunk
                         logits_out.append(self.response_logits(logits, mb))
                     return logits.new_zeros(()), {}
 
@@ -227,7 +230,7 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def micro_response_logits(self, batch: TrainBatch) -> torch.Tensor:
-        """[N, V/tp] response logits (model dtype) of one micro-batch, from a direct forward of this
+        """[N, V/tp] response logits (`response_logits`) of one micro-batch, from a direct forward of this
         whole model (PP=1 only): what the trainer calls inside the student's schedule, right before
         the student's forward of the same micro-batch. Only the response rows' logits are computed."""
         from megatron_opd.models.logprobs import forward_logits
@@ -243,7 +246,7 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def response_logits_for(self, micro_batches: list[TrainBatch]) -> list[Optional[torch.Tensor]]:
-        """[N_i, V/tp] response logits (model dtype) of each micro-batch, through one forward-only
+        """[N_i, V/tp] response logits (`response_logits`) of each micro-batch, through one forward-only
         pipeline pass (any PP); on a non-last stage a list of None."""
         from megatron_opd.models.logprobs import forward_backward
 
