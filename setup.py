@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_opd", "megatron_opd.*", "tools", "tools.*"]),
+    packages=find_packages(include=["megatron_opd", "megatron_opd.*"]),
     install_requires=[
         # torch: on CPU machines install 2.13.0 first (`pip install torch==2.13.0`); a bare requirement
         # would resolve to a multi-GB CUDA build there.

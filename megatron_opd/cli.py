@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("megatron_opd.eval.cli", "main", "evaluate a model on math benchmarks"),
     "grade-audit": ("megatron_opd.eval.audit", "main",
                     "measure the grader: on benchmark files (no model) or on your own labelled answers"),
-    "convert": ("tools.checkpoint_convert.convert", "main", "convert HF <-> megatron-core checkpoints"),
+    "convert": ("megatron_opd.convert.checkpoint", "main", "convert HF <-> megatron-core checkpoints"),
     "demo": ("megatron_opd.demo", "main", "small end-to-end run on this machine"),
     "doctor": ("megatron_opd.doctor", "main", "report what this machine can run"),
     "check-reproduction": ("megatron_opd.metrics.reproduction", "main",

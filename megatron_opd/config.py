@@ -67,6 +67,8 @@ class TeacherConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     server_url: Optional[str] = None  # SGLang teacher server, e.g. http://127.0.0.1:30001
+    # a teacher given only by server_url: a local copy of its tokenizer + config files, for the preflight
+    tokenizer_path: Optional[str] = None
     top_k: int = 0  # >0: also return the teacher's top-k log-probs (for forward-KL golden loss)
     # sequences per teacher forward; null: train.micro_batch_size for a megatron teacher in the student's
     # layout (it scores beside the student's micro-batches), 8 for the others
@@ -216,7 +218,7 @@ class TrainConfig:
     prompts_per_step: int = 32
     micro_batch_size: int = 4
     # pi_old from the training forward (detached) when a step makes exactly one update: ppo_epochs=1, one
-    # minibatch, no adv_normalize, no dropout (trainer/loop.py `_reuse_old_logp`); saves a student forward
+    # minibatch, no adv_normalize, no dropout (trainer/learner.py `reuse_old_logp`); saves a student forward
     reuse_old_logp: bool = True
     seed: int = 42
     eval_every: int = 0  # evaluate every N steps and after the last step (0: off)

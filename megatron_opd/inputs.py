@@ -79,6 +79,8 @@ def check_inputs(cfg: Config, world_size: int | None = None) -> None:
     t = cfg.teacher
     if t.backend in ("megatron", "hf") or (t.backend == "sglang" and t.server_url is None):
         _model_dir("teacher.hf_path", t.hf_path, f"the teacher model for teacher.backend={t.backend}")
+    if t.tokenizer_path is not None:
+        _model_dir("teacher.tokenizer_path", t.tokenizer_path, "the teacher's tokenizer and config files")
     _data_path("data.train_path", cfg.data.train_path)
     for i, item in enumerate(cfg.data.eval_paths):
         try:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_opd.convert import checkpoint as convert
 from megatron_opd.models import weight_mapping as wm
+from megatron_opd.models.hf_io import LazySafetensors, write_safetensors_shards
 from megatron_opd.models.tiny import make_tiny_hf_model
-from tools.checkpoint_convert import convert
-from tools.checkpoint_convert.hf_io import LazySafetensors, write_safetensors_shards
 
 
 def _load_dir(d: Path) -> dict[str, torch.Tensor]:

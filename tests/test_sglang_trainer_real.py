@@ -104,7 +104,7 @@ def test_train_engine_colocated_with_sglang_teacher(setup, tmp_path):
     trainer = _train(_overrides(setup, out, "engine", True, "teacher.backend=sglang",
                                 "teacher.sglang_args=" + json.dumps(sglang_args(mem_fraction_static=mem_fraction()))))
     try:
-        srv = trainer._teacher_server
+        srv = trainer.scorer.teacher_server
         assert srv.is_alive() and srv.api_key and trainer.teacher.server is srv
         assert trainer.teacher.vocab_size == hf_model(teacher).config.vocab_size
         assert trainer.engine.mode == "engine" and not trainer.engine.memory_saver

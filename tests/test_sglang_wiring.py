@@ -249,28 +249,25 @@ def test_server_without_session_routes_is_updated_sessionless(standin, fake_seri
 
 
 def test_trainer_builds_engine_and_syncs_through_the_factory(standin, tmp_path, monkeypatch):
-    """Trainer._build_engine / _release_engine / _sync_weights on a configured server_url, disaggregated:
-    the stand-in is the server contacted and receives the student's weights over the weight group.
-    (A whole Trainer is not built: only these methods and the attributes they read are exercised.)"""
-    from megatron_opd.trainer.loop import Trainer
+    """The rollout stage (trainer/rollouts.py) on a configured server_url, disaggregated: the engine is built
+    through the factory, nothing is released, and the stand-in is the server contacted and receives the
+    student's weights over the weight group. (A whole Trainer is not built: only the rollout stage.)"""
+    from megatron_opd.trainer.rollouts import Rollouts
 
     srv, calls = standin()
     cfg = load_config(None, ["rollout.backend=sglang", "rollout.sglang_mode=server", "rollout.colocate=false",
                              f"rollout.server_url={srv.url}", "rollout.port=1", "parallel.backend=gloo",
                              "rollout.sync_bucket_mb=1", f"logging.out_dir={tmp_path}"])
-    import megatron_opd.rollout as rollout_mod
+    import megatron_opd.trainer.rollouts as rollouts_mod
 
-    real = rollout_mod.make_rollout_engine
-    monkeypatch.setattr(rollout_mod, "make_rollout_engine",  # no model dir here: give the EOS ids
+    real = rollouts_mod.make_rollout_engine
+    monkeypatch.setattr(rollouts_mod, "make_rollout_engine",  # no model dir here: give the EOS ids
                         lambda c, path, **k: real(c, path, **{**k, "eos_token_ids": [31]}))
-    t = object.__new__(Trainer)
-    t.cfg, t.rank, t.pad_id, t.out_dir, t.weight_version = cfg, 0, 0, tmp_path, 0
-    t.student = types.SimpleNamespace(iter_hf_weights=lambda: _weights(3.0), dtype=torch.float32)
-    t.engine = t._build_engine()
+    student = types.SimpleNamespace(iter_hf_weights=lambda: _weights(3.0), dtype=torch.float32)
+    t = Rollouts(cfg, rank=0, dp_parts=1, tokenizer=None, pad_id=0, sampler=None, student=student, out_dir=tmp_path)
     assert isinstance(t.engine, SGLangEngine) and t.engine.url == srv.url and t.engine.server is None
-    t._release_engine()  # disaggregated: nothing to release
-    t.weight_version = 1
-    t._sync_weights()
+    t.start_next(0)  # disaggregated: nothing to release
+    t.sync()
     assert calls() == ["/get_server_info", "/init_weights_update_group", "/begin_weight_update",
                        "/update_weights_from_distributed", "/end_weight_update"]
     assert _received(srv) == pytest.approx(_expected_sums(3.0)) and t.engine.weight_version == 1
@@ -379,8 +376,8 @@ def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
     the stand-in's command line (same host/port/extra args, --api-key included)."""
     from _dist import free_port  # noqa: F401 - the stand-in needs the tests dir on sys.path (it is)
 
-    import megatron_opd.rollout.server as server_mod
-    from megatron_opd.trainer.loop import Trainer
+    import megatron_opd.trainer.scoring as scoring_mod
+    from megatron_opd.trainer.scoring import Scorer
 
     seen = {}
 
@@ -389,13 +386,13 @@ def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
         return [python, str(STANDIN), "--host", host, "--port", str(port), "--log", str(tmp_path / "t.jsonl"),
                 *extra_args]
 
-    monkeypatch.setattr(server_mod, "sglang_server_cmd", standin_cmd)
+    monkeypatch.setattr(scoring_mod, "sglang_server_cmd", standin_cmd)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
-    t = object.__new__(Trainer)
+    t = object.__new__(Scorer)
     t.cfg = load_config(None, ["teacher.backend=sglang", "teacher.hf_path=/models/teacher"])
     t.out_dir = tmp_path
-    srv = t._launch_teacher_server()
+    srv = t.launch_teacher_server()
     try:
         key = seen["extra"][seen["extra"].index("--api-key") + 1]
         assert seen["model"] == "/models/teacher" and len(key) >= 32 and srv.api_key == key

@@ -136,14 +136,14 @@ def test_pi_old_reuse_only_when_the_step_makes_one_update(setup, tmp_path):
 
     trainer = Trainer(_cfg(setup, tmp_path / "run"))
     try:
-        assert trainer._reuse_old_logp(8)
+        assert trainer.learner.reuse_old_logp(8)
         for key, value in (("ppo_epochs", 2), ("num_minibatches", 2), ("adv_normalize", True)):
             saved = getattr(trainer.cfg.algo, key)
             setattr(trainer.cfg.algo, key, value)
-            assert not trainer._reuse_old_logp(8), key
+            assert not trainer.learner.reuse_old_logp(8), key
             setattr(trainer.cfg.algo, key, saved)
         trainer.cfg.algo.num_minibatches = 2
-        assert trainer._reuse_old_logp(1)  # one sequence: one minibatch whatever the setting
+        assert trainer.learner.reuse_old_logp(1)  # one sequence: one minibatch whatever the setting
     finally:
         trainer.close()
 

@@ -6,6 +6,8 @@ The detector is driven into a verdict through its config (`train.collapse.*`): i
 The version rises by one per step, so the verdict step is known exactly: version v against the first
 one (1) exceeds 1.9x from v = 2 on. After an action resets the detector, the new baseline is the next
 version and v / baseline stays below 1.9, so there is exactly one verdict (with patience 1) per run.
+raise_beta_kl keeps the detector's history (it must not blind it): the collapse goes on, so it acts
+again once its hold of `window` steps has passed.
 """
 
 from __future__ import annotations
@@ -147,10 +149,14 @@ def test_raise_beta_kl_builds_the_reference_and_a_resume_keeps_it(setup, tmp_pat
     full, part = tmp_path / "full", tmp_path / "part"
     t = _run(_trainer(setup, full, "raise_beta_kl", 3))
     rows = read_metrics(full)
-    assert [r["health/collapsed"] for r in rows] == [0.0, 1.0, 0.0]
+    # the verdict holds at step 3 too (the detector was not reset): raised again one window (1 step) later;
+    # before the fix the reset detector needed baseline_window + window fresh steps to see it again
+    assert [r["health/collapsed"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["health/collapse_events"] for r in rows] == [0.0, 1.0, 2.0]
     assert [r["train/beta_kl"] for r in rows] == [0.0, 0.0, 0.01]  # raised after step 2, used from step 3
     assert t.ref is not None and not _kl_logged(rows[0]) and rows[2]["loss/kl"] > 0
-    assert json.loads((full / "checkpoints" / "step_00000002" / "meta.json").read_text())["beta_kl"] == 0.01
+    meta = [json.loads((full / "checkpoints" / f"step_0000000{s}" / "meta.json").read_text()) for s in (2, 3)]
+    assert [m["beta_kl"] for m in meta] == [0.01, 0.02] and t.beta_kl == 0.02
     # stop right after the raise, resume in a new trainer whose config still says beta_kl = 0
     _run(_trainer(setup, part, "raise_beta_kl", 3), stop_after=2)
     resumed = _trainer(setup, part, "raise_beta_kl", 3)
@@ -171,13 +177,19 @@ def rollback_run(setup, tmp_path_factory):
     from megatron_opd.trainer.loop import Trainer
 
     class Spy(Trainer):
-        def _rollback(self, target):
-            self.spy_target = target
-            self.spy_checkpoint = _weights(self.ckpt.root.parent, target)
-            self.spy_dirs_before = sorted(p.name for p in self.ckpt.root.glob("step_*"))
-            super()._rollback(target)
-            self.spy_restored = {k: v.clone() for k, v in self.student.state_dict()["model"].items()}
-            self.spy_dirs_after = sorted(p.name for p in self.ckpt.root.glob("step_*"))
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            rollback = self.guard.rollback
+
+            def spy(trainer, target):
+                self.spy_target = target
+                self.spy_checkpoint = _weights(self.ckpt.root.parent, target)
+                self.spy_dirs_before = sorted(p.name for p in self.ckpt.root.glob("step_*"))
+                rollback(trainer, target)
+                self.spy_restored = {k: v.clone() for k, v in self.student.state_dict()["model"].items()}
+                self.spy_dirs_after = sorted(p.name for p in self.ckpt.root.glob("step_*"))
+
+            self.guard.rollback = spy
 
     out = tmp_path_factory.mktemp("rollback") / "run"
     t = _run(_trainer(setup, out, "rollback", 4, "train.collapse.patience=2", cls=Spy))
@@ -333,12 +345,12 @@ def test_rollback_after_an_accuracy_collapse_returns_to_the_best_evaluation(setu
                  "train.collapse.min_steps=0", "checkpoint.keep_last=5",
                  cls=_scripted_evals(0.1, 0.5, 0.4, 0.2, 0.5, 0.5, 0.5))
     targets = []
-    real = t._rollback
+    real = t.guard.rollback
 
-    def spy(target: int) -> None:
-        targets.append((t.step, target))
-        real(target)
+    def spy(trainer, target: int) -> None:
+        targets.append((trainer.step, target))
+        real(trainer, target)
 
-    t._rollback = spy
+    t.guard.rollback = spy
     _run(t)
     assert targets == [(3, 1)]  # flagged at step 3 (0.2 < half of step 1's 0.5)

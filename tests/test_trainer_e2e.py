@@ -191,7 +191,7 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
     # 8 would multiply the [n, T, V] response logits of a long-response run several times over
     trainer = Trainer(_cfg(setup, tmp_path / "mg2", "opd", 1, "teacher.backend=megatron", "train.micro_batch_size=3"))
     try:
-        assert trainer._teacher_mbs() == 3
+        assert trainer.scorer.teacher_micro_batch_size() == 3
     finally:
         trainer.close()
 

@@ -55,10 +55,10 @@ def test_full_kl_holds_only_the_micro_batchs_reference_logits(setup, tmp_path):
     trainer = Trainer(_cfg(setup, tmp_path / "run", "train.prompts_per_step=6", "rollout.n_samples_per_prompt=4",
                            "train.micro_batch_size=1", "algo.num_minibatches=1"))
     ratios, n_rows, step_rows = [], [], []
-    make_loss = trainer._loss_fn
+    make_loss = trainer.learner.loss_fn
 
-    def wrapped_loss_fn(mb, n_micro=1):
-        loss_fn, want = make_loss(mb, n_micro)
+    def wrapped_loss_fn(mb, beta_kl, n_micro=1):
+        loss_fn, want = make_loss(mb, beta_kl, n_micro)
 
         def measured(logp, resp_logits, batch, logits):
             v_padded = logits.shape[-1]
@@ -73,7 +73,7 @@ def test_full_kl_holds_only_the_micro_batchs_reference_logits(setup, tmp_path):
         step_rows.append(int(mb.response_mask.sum()))
         return measured, want
 
-    trainer._loss_fn = wrapped_loss_fn
+    trainer.learner.loss_fn = wrapped_loss_fn
     try:
         trainer.train()
     finally:
@@ -189,15 +189,15 @@ def _pp_run(rank, world_size, overrides):
 
     trainer = Trainer(load_config(None, overrides))
     shapes: list[tuple[int, int]] = []
-    source = trainer._ref_logits_source
+    source = trainer.learner.ref_logits_source
 
-    def spy(micro):  # PP > 1: the reference's rows are attached per minibatch, not per step
-        out = source(micro)
+    def spy(ref, micro):  # PP > 1: the reference's rows are attached per minibatch, not per step
+        out = source(ref, micro)
         shapes.extend((int(m.ref_logits.shape[0]), int(m.response_mask.sum())) for m in micro
                       if m.ref_logits is not None)
         return out
 
-    trainer._ref_logits_source = spy
+    trainer.learner.ref_logits_source = spy
     try:
         trainer.train()
     finally:

@@ -131,7 +131,7 @@ def write_hf_dir(weights: Any, hf_config: Any, source: str | os.PathLike, tmp: P
     (a policy's `iter_hf_weights()`), the HF config, `source`'s tokenizer/generation files and
     `meta_name` holding `meta`. Collective: every rank drains `weights` (the gathers run on all of
     them), rank 0 writes; `commit_partial` then puts the directory in place."""
-    from tools.checkpoint_convert.hf_io import write_safetensors_shards
+    from megatron_opd.models.hf_io import write_safetensors_shards
 
     if _rank() == 0:
         write_safetensors_shards(weights, tmp)

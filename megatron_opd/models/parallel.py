@@ -246,5 +246,32 @@ def is_pipeline_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-__all__ = ["ModelLayout", "destroy_parallel", "host_group", "init_parallel", "layout_rank_grid", "make_layout", "is_pipeline_first_stage", "is_pipeline_last_stage",
-           "resolve_backend", "tp_group"]
+def data_parallel_rank_size() -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size) of the student's layout."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def tensor_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a no-op without a process group or with one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+__all__ = ["ModelLayout", "broadcast_object", "data_parallel_rank_size", "destroy_parallel", "global_rank", "host_group", "init_parallel",
+           "is_pipeline_first_stage", "is_pipeline_last_stage", "layout_rank_grid", "make_layout", "resolve_backend",
+           "tensor_parallel_rank", "tp_group"]
