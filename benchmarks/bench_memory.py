@@ -24,13 +24,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import proc_status_kb  # noqa: E402 - the scripts' shared helpers
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -65,28 +60,25 @@ def _worker(args: argparse.Namespace) -> None:
         f"train.micro_batch_size={args.mbs}", f"logging.out_dir={root / 'run'}", "logging.progress_bar=false",
         "logging.tensorboard=false", "checkpoint.save_every=100", "checkpoint.resume=never"])
 
-    class SyntheticRollout(Trainer):
-        def _rollout(self):  # fixed-length random responses: same shapes in every run
-            records = self.sampler.next_batch()
-            g = torch.Generator().manual_seed(self.step)
-            items = [SequenceItem(r.prompt_ids, torch.randint(3, args.vocab, (args.resp,), generator=g).tolist(),
-                                  prompt_index=i) for i, r in enumerate(records) for _ in range(2)]
-            return {"items": items, "teacher": None, "texts": [], "prompt_texts": [], "records": [r.id for r in records]}
+    trainer = Trainer(cfg)
 
-        def _sync_weights(self):  # the rollout engine is not used here
-            pass
+    def synthetic(step: int, version: int) -> dict:  # fixed-length random responses: same shapes in every run
+        records = trainer.sampler.next_batch()
+        g = torch.Generator().manual_seed(step)
+        items = [SequenceItem(r.prompt_ids, torch.randint(3, args.vocab, (args.resp,), generator=g).tolist(),
+                              prompt_index=i) for i, r in enumerate(records) for _ in range(2)]
+        return {"items": items, "teacher": None, "texts": [], "prompt_texts": [], "records": [r.id for r in records],
+                "weight_version": version}
 
-        def save(self):
-            pass
-
-    trainer = SyntheticRollout(cfg)
+    trainer.rollouts.generate = synthetic
+    trainer.rollouts.sync = lambda version=None: None  # the rollout engine is not used here
     import gc
 
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _status_kb("VmRSS")
+    before = proc_status_kb("VmRSS")
     metrics = trainer.train_step()
-    peak = _status_kb("VmHWM")
+    peak = proc_status_kb("VmHWM")
     trainer.close()
     print(json.dumps({"seqs": args.seqs, "rss_before_mb": before / 1024, "step_peak_mb": (peak - before) / 1024,
                       "kl": metrics.get("loss/kl"), "train_s": metrics.get("time/train_s")}))

@@ -39,15 +39,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import proc_status_kb, step_overrides  # noqa: E402 - the scripts' shared helpers, beside them
 BREAKDOWN = ("time/rollout_s", "time/score_s", "time/train_s", "time/rollout_wait_s", "time/sync_s")
 
 
 def _hwm_mb() -> float:
     """Peak resident set of this process (VmHWM), MB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kb = proc_status_kb("VmHWM")
+    return (kb if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
 
 
 def _cpu_s() -> float:
@@ -63,13 +63,9 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
 
     preset, *extra = a.preset.split(":")
     cfg = load_config(None, [
-        f"algo.preset={preset}", f"model.hf_path={a.student}", f"teacher.hf_path={a.teacher}",
-        "teacher.backend=megatron", "rollout.backend=local", f"data.train_path={a.data}", "data.shuffle=false",
-        f"train.steps={a.warmup + a.steps + 1}", f"train.prompts_per_step={a.seqs}", "rollout.n_samples_per_prompt=1",
-        f"rollout.max_new_tokens={a.new_tokens}", "rollout.temperature=1.0", f"train.micro_batch_size={a.seqs}",
-        "optim.lr=1e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1", f"logging.out_dir={a.workdir}",
-        "logging.tensorboard=false", "logging.progress_bar=false", "logging.sample_every=0",
-        "checkpoint.save_every=100000", "checkpoint.resume=never",
+        *step_overrides(preset, a.student, a.teacher, a.data, a.workdir, steps=a.warmup + a.steps + 1,
+                        prompts=a.seqs, samples=1, new_tokens=a.new_tokens, micro_batch_size=a.seqs),
+        "data.shuffle=false",
         *([f"model.params_dtype={a.dtype}", f"teacher.params_dtype={a.dtype}"] if a.dtype != "float32" else []),
         *a.override,
         *[e for e in extra if e]])

@@ -38,7 +38,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import free_port, proc_status_kb, step_overrides  # noqa: E402 - the scripts' shared helpers
 T0 = float(os.environ.get("GPU_CHECK_T0") or time.time())  # workers count from the orchestrator's start
 
 # Nominal dense bf16 peak FLOP/s by device name (first match wins). H200 and H100 SXM: 989 TFLOP/s.
@@ -80,16 +81,6 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _vm_kb(key: str) -> Optional[int]:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def _mib(n: Optional[float]) -> Optional[float]:
     return None if n is None else round(n / 2**20, 1)
 
@@ -99,12 +90,6 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _version(dist: str) -> Optional[str]:
@@ -224,7 +209,7 @@ def peak_flops(device: str, env: dict[str, Any], override_tflops: Optional[float
 def _worker_env(device: str) -> None:
     """Single-process world for init_parallel (no torchrun): rank 0 of 1 on a free local port."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+                      MASTER_PORT=str(free_port()))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -244,7 +229,7 @@ def _check_device(device: str) -> None:
 def _memory(device: str) -> dict[str, Any]:
     import torch
 
-    hwm = _vm_kb("VmHWM")
+    hwm = proc_status_kb("VmHWM")
     out: dict[str, Any] = {"host_peak_rss_mib": _mib(hwm * 1024) if hwm is not None else None}
     if device == "cuda":
         out["cuda_max_allocated_mib"] = _mib(torch.cuda.max_memory_allocated())
@@ -324,15 +309,11 @@ def worker_preset(args: argparse.Namespace, ev: _Events) -> None:
     run_dir = Path(args.workdir) / f"run-{args.preset}"
     steps = args.warmup + args.steps
     overrides = [
-        f"algo.preset={args.preset}", f"model.hf_path={args.student}", f"teacher.hf_path={args.teacher}",
-        "teacher.backend=megatron", "rollout.backend=local", "model.layer_spec=local",
-        f"model.params_dtype={args.dtype}", f"parallel.backend={'nccl' if args.device == 'cuda' else 'gloo'}",
-        f"data.train_path={args.data}", f"train.steps={steps}", f"train.prompts_per_step={args.prompts_per_step}",
-        f"rollout.n_samples_per_prompt={args.samples_per_prompt}", f"rollout.max_new_tokens={args.max_new_tokens}",
-        "rollout.temperature=1.0", f"train.micro_batch_size={args.micro_batch_size}", "optim.lr=1e-5",
-        "optim.clip_grad=1.0", "algo.num_minibatches=1", f"logging.out_dir={run_dir}", "logging.tensorboard=false",
-        "logging.progress_bar=false", "logging.sample_every=0", "checkpoint.save_every=100000",
-        "checkpoint.resume=never", *args.override,
+        *step_overrides(args.preset, args.student, args.teacher, args.data, run_dir, steps=steps,
+                        prompts=args.prompts_per_step, samples=args.samples_per_prompt,
+                        new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size),
+        "model.layer_spec=local", f"model.params_dtype={args.dtype}",
+        f"parallel.backend={'nccl' if args.device == 'cuda' else 'gloo'}", *args.override,
     ]
     cfg = load_config(None, overrides)
     ev(event="config", overrides=overrides, beta_kl=cfg.algo.beta_kl, lambda_gold=cfg.algo.lambda_gold,

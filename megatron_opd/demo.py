@@ -25,7 +25,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megatron_opd.config import load_config
+from transformers import AutoTokenizer
+
+from megatron_opd.config import DataConfig, load_config
+from megatron_opd.data.builtin.arithmetic import builtin_splits, make_arithmetic_problems, write_builtin_jsonl
+from megatron_opd.data.prompts import write_jsonl
+from megatron_opd.data.toy_tokenizer import byte_tokenizer
+from megatron_opd.eval.benchmarks import evaluate, load_benchmark
+from megatron_opd.models.parallel import destroy_parallel
+from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
+from megatron_opd.models.tiny import make_tiny_hf_model
+from megatron_opd.rollout.base import SamplingParams
+from megatron_opd.rollout.local import LocalEngine
+from megatron_opd.trainer.logger import read_metrics
+from megatron_opd.trainer.loop import Trainer
+from megatron_opd.trainer.plot import plot_runs
+from megatron_opd.trainer.sft import read_sft_meta, run_sft, sft_defaults
 
 # The pair the issue-10 step benchmarks measured (benchmarks/bench_step.py): a 26-layer pruned student.
 BENCH_DROPPED_LAYERS = (18, 20, 22, 24)
@@ -45,8 +60,6 @@ def bench_pair(cache: Path, tiny: bool = False) -> tuple[Path, Path]:
     """(student, teacher) of the step benchmarks: SmolLM2 with 4 layers removed, and SmolLM2."""
     if tiny:
         return _tiny_models(cache / "tiny")
-    from megatron_opd.models.pretrained import export_smollm2, prune_layers
-
     teacher = export_smollm2(cache / "smollm2-135m-instruct")
     keep = [i for i in range(30) if i not in BENCH_DROPPED_LAYERS]
     return prune_layers(teacher, cache / "smollm2-135m-instruct-drop4", keep), teacher
@@ -57,8 +70,6 @@ def prepare_models(cache: Path, tiny: bool, log: Callable[[str], None] = print) 
     if tiny:
         student = _tiny_models(cache / "tiny")[0]
     else:
-        from megatron_opd.models.pretrained import export_smollm2
-
         student = export_smollm2(cache / "smollm2-135m-instruct")
     recipe = TINY_TEACHER_RECIPE if tiny else TEACHER_RECIPE
     return student, prepare_teacher(student, cache, recipe, log)
@@ -68,11 +79,6 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
     """The student fine-tuned (`trainer.sft.run_sft`) on worked solutions of `recipe["problems"]` builtin
     arithmetic problems drawn with their own seed, none of them among the demo's held-out problems.
     Cached by a key over the recipe and the student's config; reused when its `sft_meta.json` is there."""
-    from megatron_opd.data.builtin.arithmetic import builtin_splits, make_arithmetic_problems
-    from megatron_opd.data.prompts import write_jsonl
-    from megatron_opd.models.parallel import destroy_parallel
-    from megatron_opd.trainer.sft import read_sft_meta, run_sft, sft_defaults
-
     key_src = json.dumps({"recipe": recipe, "student": (student / "config.json").read_text(),
                           "eval": [N_TRAIN, N_EVAL]}, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:10]
@@ -101,13 +107,6 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
 
 def held_out_accuracy(model_dir: Path, eval_path: Path, max_new_tokens: int) -> float:
     """Greedy accuracy of an HF model on the demo's held-out problems (the trainer's eval settings)."""
-    from transformers import AutoTokenizer
-
-    from megatron_opd.config import DataConfig
-    from megatron_opd.eval.benchmarks import evaluate, load_benchmark
-    from megatron_opd.rollout.base import SamplingParams
-    from megatron_opd.rollout.local import LocalEngine
-
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     engine = LocalEngine.from_pretrained(model_dir)
     try:
@@ -138,15 +137,10 @@ def _tiny_model_ok(d: Path) -> bool:
     before the toy tokenizer named its unk token load with one id more than the model has)."""
     if not (d / "config.json").is_file():
         return False
-    from transformers import AutoTokenizer
-
     return len(AutoTokenizer.from_pretrained(str(d))) <= json.loads((d / "config.json").read_text())["vocab_size"]
 
 
 def _tiny_models(root: Path) -> tuple[Path, Path]:
-    from megatron_opd.data.toy_tokenizer import byte_tokenizer
-    from megatron_opd.models.tiny import make_tiny_hf_model
-
     tok = byte_tokenizer()
     out = []
     for name, seed, layers in (("student", 0, 2), ("teacher", 1, 3)):
@@ -191,8 +185,6 @@ SUMMARY_KEYS = ["rollout/response_len_mean", "rollout/truncation_rate", "rollout
 def run_preset(preset: str, out: Path, student: Path, teacher: Path, data: dict[str, Path], steps: int, tiny: bool,
                overrides: list[str], max_new_tokens: int = DEMO_SETTING[1]) -> dict[str, float]:
     """One demo training run; returns its last step's metrics."""
-    from megatron_opd.trainer.loop import Trainer
-
     cfg = load_config(None, demo_overrides(student, teacher, data, out, preset, steps, tiny, max_new_tokens)
                       + list(overrides))
     print(f"[demo] {preset}: {steps} steps (beta_kl={cfg.algo.beta_kl}, lambda_gold={cfg.algo.lambda_gold}, "
@@ -210,8 +202,6 @@ def compare_table(runs: list[Path]) -> str:
     transient burst shows in the middle); the mean advantage on repetitive vs other tokens over the steps
     that had repetitive tokens; and the first step the collapse detector flagged (a flagged step that a
     rollback re-trained is gone from the log; `health/collapse_events` still counts it)."""
-    from megatron_opd.trainer.logger import read_metrics
-
     def num(v: object) -> bool:
         return isinstance(v, (int, float)) and v == v  # a number, not NaN
 
@@ -267,10 +257,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
-    from megatron_opd.models.pretrained import default_cache_dir
-    from megatron_opd.trainer.plot import plot_runs
 
     steps, max_new_tokens = COMPARE_SETTING if args.compare else DEMO_SETTING
     steps = args.steps if args.steps is not None else steps

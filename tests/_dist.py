@@ -10,6 +10,7 @@ import io
 import os
 import socket
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -66,3 +67,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if errors:
         raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def session_cmdlines(pid: int) -> dict[int, str]:
+    """The command lines of every live process in the session led by `pid` (ServerProcess starts one)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(d.name)) == pid:
+                out[int(d.name)] = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ProcessLookupError):
+            continue
+    return out

@@ -35,6 +35,7 @@ ap.add_argument("--log", required=True)
 ap.add_argument("--api-key", default=None)
 ap.add_argument("--mode", default="ok")
 ap.add_argument("--dp-size", type=int, default=1)
+ap.add_argument("--echo-worker", action="store_true", help="a child process prints the key, as SGLang's workers may")
 args, _unknown = ap.parse_known_args()
 
 STATE = {"session": False, "group": None, "weights": {}, "lock": threading.Lock()}
@@ -146,4 +147,11 @@ class H(BaseHTTPRequestHandler):
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 print(f"sglang stand-in on {args.host}:{args.port} mode={args.mode} key={'yes' if args.api_key else 'no'}", flush=True)
+print(f"server_args=ServerArgs({', '.join(f'{k}={v!r}' for k, v in vars(args).items())})", flush=True)  # as SGLang logs
+if args.echo_worker:
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", "import os, sys; print('worker api_key=' + os.environ['K']); "
+                    "print('to stderr: ' + os.environ['K'], file=sys.stderr)"],
+                   env={**os.environ, "K": str(args.api_key)}, check=True)
 ThreadingHTTPServer((args.host, args.port), H).serve_forever()

@@ -31,14 +31,14 @@ def test_tiny_teacher_is_the_student_fine_tuned_and_cached(tmp_path: Path, monke
     def refuse(*_a, **_k):
         raise AssertionError("the cached teacher was re-made")
 
-    monkeypatch.setattr("megatron_opd.trainer.sft.run_sft", refuse)
+    monkeypatch.setattr("megatron_opd.demo.run_sft", refuse)
     assert demo.prepare_models(tmp_path, tiny=True, log=lambda _: None) == (student, teacher)
     with pytest.raises(AssertionError, match="re-made"):
         demo.prepare_teacher(student, tmp_path, {**demo.TINY_TEACHER_RECIPE, "steps": 3})
 
     # none of the demo's held-out problems is among the teacher's training problems
     seen: list[dict] = []
-    monkeypatch.setattr("megatron_opd.trainer.sft.run_sft",
+    monkeypatch.setattr("megatron_opd.demo.run_sft",
                         lambda cfg, *a, **k: seen.extend(json.loads(l) for l in Path(cfg.data.train_path).open()))
     demo.prepare_teacher(student, tmp_path, {**demo.TINY_TEACHER_RECIPE, "problems": 2000})
     _, held_out = builtin_splits(demo.N_TRAIN, demo.N_EVAL, 0)

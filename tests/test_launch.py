@@ -85,12 +85,15 @@ def _step(cmd: list[str]) -> tuple[str, set[int], list[str]]:
     return node, gpus, _unwrap_key(cmd[i + 2:])
 
 
-KEY_WRAPPER = ["bash", "-c", 'exec "$@" --api-key "$SGLANG_API_KEY"', "with-api-key"]
+KEYED = ["--key-env", "SGLANG_API_KEY"]
 
 
 def _unwrap_key(argv: list[str]) -> list[str]:
-    """A server command runs under the wrapper that appends `--api-key "$SGLANG_API_KEY"` on the node."""
-    return argv[len(KEY_WRAPPER):] if argv[:len(KEY_WRAPPER)] == KEY_WRAPPER else argv
+    """A server command runs under keyed_launch.py, which gives it `--api-key "$SGLANG_API_KEY"` on the node:
+    [python, .../keyed_launch.py, --key-env, SGLANG_API_KEY, -m, sglang.launch_server, ...] -> [python, -m, ...]."""
+    if len(argv) > 4 and argv[1] == str(ROOT / "megatron_opd" / "rollout" / "keyed_launch.py") and argv[2:4] == KEYED:
+        return [argv[0], *argv[4:]]
+    return argv
 
 
 def _split(cmds: list[list[str]]) -> tuple[list[tuple[str, set[int], list[str]]], list[tuple[str, set[int], list[str]]]]:
@@ -98,10 +101,10 @@ def _split(cmds: list[list[str]]) -> tuple[list[tuple[str, set[int], list[str]]]
     servers = [s for s in steps if s[2][1:3] == ["-m", "sglang.launch_server"]]
     trains = [s for s in steps if Path(s[2][0]).name == "torchrun"]
     assert len(servers) + len(trains) == len(steps), steps
-    for c in cmds:  # every server gets the job's API key (expanded on the node, never on a printed line)
+    for c in cmds:  # every server gets the job's API key through keyed_launch (never on a command line)
         if "sglang.launch_server" in c:
-            i = c.index("env") + 2
-            assert c[i:i + len(KEY_WRAPPER)] == KEY_WRAPPER, c
+            i = c.index("env") + 3
+            assert c[i] == str(ROOT / "megatron_opd" / "rollout" / "keyed_launch.py") and c[i + 1:i + 3] == KEYED, c
     return servers, trains
 
 
@@ -321,19 +324,25 @@ def test_shellcheck_clean():
 
 # --------------------------------------------------------------------------------- real processes
 
-FAKE_SGLANG = r'''#!{python}
-"""Fake `python`: `-m sglang.launch_server` serves /health; anything else runs the real interpreter."""
+FAKE_PYTHON = r'''#!{python}
+"""Fake `python`: the real interpreter, with a fake `sglang` package first on its path."""
+import os, sys
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in ("{site}", os.environ.get("PYTHONPATH")) if p)
+os.execv("{python}", ["{python}", *sys.argv[1:]])
+'''
+
+FAKE_SGLANG = r'''"""Fake sglang.launch_server (run by keyed_launch.py): serves /health."""
 import http.server, json, os, sys, time
-argv = sys.argv[1:]
-if argv[:2] != ["-m", "sglang.launch_server"]:
-    os.execv("{python}", ["{python}", *argv])
+argv = ["-m", "sglang.launch_server", *sys.argv[1:]]
 opt = lambda n: argv[argv.index(n) + 1]
 port = int(opt("--port"))
 log = os.environ["FAKE_LOG"]
-with open(os.path.join(log, f"sglang_{{port}}.json"), "w") as f:
-    json.dump({{"argv": argv, "pid": os.getpid(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}, f)
+with open(os.path.join(log, f"sglang_{port}.json"), "w") as f:
+    json.dump({"argv": argv, "pid": os.getpid(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+               "cmdline": open("/proc/self/cmdline").read().split("\0")}, f)
 if "--api-key" not in argv:
     sys.exit("fake sglang: started without --api-key")
+print("server_args", argv, flush=True)  # as SGLang logs its ServerArgs, key included
 mode = os.environ.get("FAKE_SGLANG", "ok")
 if mode == "crash":
     sys.exit(7)
@@ -369,7 +378,11 @@ def fake_cluster(tmp_path, fake_bin):
     """Fake srun (drops its options, runs the command), sglang and torchrun; one node = 127.0.0.1."""
     _write_exe(fake_bin / "srun", '#!/usr/bin/env bash\nwhile [[ $# -gt 0 && $1 == --* ]]; do shift; done\n'
                                   'exec "$@"\n')
-    _write_exe(fake_bin / "python", FAKE_SGLANG.format(python=sys.executable))
+    site = tmp_path / "fake_site" / "sglang"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    (site / "launch_server.py").write_text(FAKE_SGLANG)
+    _write_exe(fake_bin / "python", FAKE_PYTHON.format(python=sys.executable, site=site.parent))
     _write_exe(fake_bin / "torchrun", FAKE_TORCHRUN.format(python=sys.executable))
     log = tmp_path / "fake_log"
     log.mkdir()
@@ -427,8 +440,11 @@ def test_real_run_waits_for_servers_and_cleans_up(fake_cluster):
     assert (Path(env["OUT"]) / "logs" / "sglang_rollout.node0.log").is_file()
     _assert_gone(_server_pids(log))
     # one generated key per job: every server got it as --api-key, the trainer gets it in SGLANG_API_KEY
-    keys = {_flag(json.loads(p.read_text())["argv"], "--api-key") for p in log.glob("sglang_*.json")}
-    assert keys == {ran["api_key"]} and len(ran["api_key"]) == 64
+    started = [json.loads(p.read_text()) for p in log.glob("sglang_*.json")]
+    assert {_flag(s["argv"], "--api-key") for s in started} == {ran["api_key"]} and len(ran["api_key"]) == 64
+    assert all(ran["api_key"] not in " ".join(s["cmdline"]) for s in started)  # not in `ps`
+    server_logs = [p.read_text() for p in (Path(env["OUT"]) / "logs").glob("sglang_*.log")]
+    assert server_logs and all(ran["api_key"] not in t and "'--api-key', '<redacted>'" in t for t in server_logs)
     assert ran["api_key"] not in res.stdout + res.stderr
 
 

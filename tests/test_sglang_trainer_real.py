@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _dist import session_cmdlines
 from megatron_opd.rollout.base import SamplingParams
 from sglang_cpu import (LOGPROB_TOL, hf_model, max_logprob_gap, measured, mem_fraction, require_sglang, sglang_args,
                         tiny_models)
@@ -96,6 +97,15 @@ def _finish(trainer) -> None:
     destroy_parallel()
 
 
+def _key_out_of_sight(srv, log: Path) -> None:
+    """The key of a server the trainer launched: in no command line of its processes (`ps`), and in its log
+    only as `<redacted>` (SGLang logs its ServerArgs, api_key included, at INFO)."""
+    lines = session_cmdlines(srv.proc.pid)
+    assert len(lines) >= 2 and all(srv.api_key not in c for c in lines.values()), lines  # server + its workers
+    text = log.read_text()
+    assert srv.api_key not in text and "<redacted>" in text and "server_args=" in text
+
+
 def test_train_engine_colocated_with_sglang_teacher(setup, tmp_path):
     """rollout: in-process sglang.Engine, colocate=true (update_weights_from_tensor); teacher.backend=sglang
     with no URL: the trainer launches an SGLang server for teacher.hf_path (teacher.sglang_args, --api-key)."""
@@ -106,6 +116,7 @@ def test_train_engine_colocated_with_sglang_teacher(setup, tmp_path):
     try:
         srv = trainer.scorer.teacher_server
         assert srv.is_alive() and srv.api_key and trainer.teacher.server is srv
+        _key_out_of_sight(srv, out / "logs" / "sglang_teacher.log")
         assert trainer.teacher.vocab_size == hf_model(teacher).config.vocab_size
         assert trainer.engine.mode == "engine" and not trainer.engine.memory_saver
         _engine_holds_student_weights(trainer, student, "engine, colocate=True, sglang teacher")
@@ -116,7 +127,7 @@ def test_train_engine_colocated_with_sglang_teacher(setup, tmp_path):
         own = trainer.engine.engine_processes
         assert own and all(p.is_running() for p in own), own  # the scheduler / detokenizer processes
         trainer.engine.shutdown()
-        trainer.engine = None
+        trainer.rollouts.engine = None
         assert srv.is_alive() and srv.healthy()
         gone = [p for p in own if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
         assert len(gone) == len(own), f"engine processes left running after shutdown: {own}"
@@ -138,6 +149,7 @@ def test_train_rollout_sglang_modes(setup, tmp_path, mode, colocate):
         assert trainer.engine.mode == mode and trainer.engine.has_weight_group is (not colocate)
         if mode == "server":
             assert trainer.engine.server is not None and trainer.engine.server.is_alive()
+            _key_out_of_sight(trainer.engine.server, out / "logs" / "sglang_rollout.log")
         _engine_holds_student_weights(trainer, student, f"{mode}, colocate={colocate}")
         proc = trainer.engine.server
     finally:

@@ -27,7 +27,8 @@ import torch
 from megatron_opd.config import ConfigError, RolloutConfig, load_config
 from megatron_opd.rollout import make_rollout_engine, release_engine_memory, sync_weights
 from megatron_opd.rollout.base import SamplingParams
-from megatron_opd.rollout.server import ServerError, ServerProcess, http_json, redact
+from megatron_opd.rollout.keyed_launch import KEY_ENV
+from megatron_opd.rollout.server import ServerError, ServerProcess, http_json
 from megatron_opd.rollout.sglang_engine import SGLangEngine
 from megatron_opd.teacher.sglang import SGLangTeacher
 
@@ -127,24 +128,25 @@ def test_factory_attaches_to_server_url_and_spawns_nothing(standin, monkeypatch)
 
 
 def test_factory_launches_server_from_rollout_keys_with_api_key(monkeypatch, tmp_path):
-    """No server_url: launch_server bound to rollout.host:port with mem_fraction_static and an --api-key
-    (generated when $rollout.api_key_env is unset). Starting it is mocked: sglang is not installed here."""
+    """No server_url: launch_server bound to rollout.host:port with mem_fraction_static and an API key
+    (generated when $rollout.api_key_env is unset), given through keyed_launch in the server's environment,
+    never on its command line. Starting it is mocked: sglang is not installed here."""
     started = []
     monkeypatch.setattr(ServerProcess, "start", lambda self: started.append(self) or self)
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
     eng = _engine(None, host="127.0.0.9", port=31234, mem_fraction_static=0.42)
     (srv,) = started
     cmd = srv.cmd
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert cmd[1:5] == ["-m", "megatron_opd.rollout.keyed_launch", "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.9" and cmd[cmd.index("--port") + 1] == "31234"
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.42"
-    key = cmd[cmd.index("--api-key") + 1]
+    key = srv.env[KEY_ENV]
     assert len(key) >= 32 and srv.api_key == key == eng.api_key and eng.url == "http://127.0.0.9:31234"
-    assert key not in " ".join(redact(cmd))
+    assert "--api-key" not in cmd and key not in " ".join(cmd)
     monkeypatch.setenv("MY_KEY", "k-from-env")
     started.clear()
     _engine(None, api_key_env="MY_KEY")
-    assert started[0].cmd[started[0].cmd.index("--api-key") + 1] == "k-from-env"
+    assert started[0].env[KEY_ENV] == "k-from-env" and "k-from-env" not in started[0].cmd
 
 
 # ------------------------------------------------------------------------------------- API key
@@ -372,8 +374,8 @@ def test_colocate_with_a_remote_server_is_refused_and_attached_servers_never_rel
 
 def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
     """teacher.backend=sglang without teacher.server_url: the trainer serves teacher.hf_path itself, with a
-    generated --api-key its client sends. sglang cannot run here, so `sglang_server_cmd` is swapped for
-    the stand-in's command line (same host/port/extra args, --api-key included)."""
+    generated API key its client sends, given to the server through keyed_launch (not in its arguments).
+    sglang cannot run here, so `sglang_server_cmd` is swapped for the stand-in's command line."""
     from _dist import free_port  # noqa: F401 - the stand-in needs the tests dir on sys.path (it is)
 
     import megatron_opd.trainer.scoring as scoring_mod
@@ -394,8 +396,8 @@ def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
     t.out_dir = tmp_path
     srv = t.launch_teacher_server()
     try:
-        key = seen["extra"][seen["extra"].index("--api-key") + 1]
-        assert seen["model"] == "/models/teacher" and len(key) >= 32 and srv.api_key == key
+        key = srv.api_key
+        assert seen["model"] == "/models/teacher" and len(key) >= 32 and "--api-key" not in seen["extra"]
         teacher = SGLangTeacher(srv, eos_token_ids=[2])
         assert teacher.api_key == key
         assert http_json(srv.url + "/get_server_info", api_key=key)["tp_size"] == 1

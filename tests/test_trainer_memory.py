@@ -106,6 +106,7 @@ def test_frozen_score_upcasts_only_response_rows(setup, tmp_path, monkeypatch):
             return real(logits, targets, *a, **k)
 
         monkeypatch.setattr(lp_mod, "vocab_parallel_token_logprobs", spy)
+        monkeypatch.setattr(policy_mod, "vocab_parallel_token_logprobs", spy)
         monkeypatch.setattr(policy_mod, "FROZEN_LOGP_CHUNK", 4, raising=False)
         head = trainer.ref.model.output_layer
         hook = head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[0] * args[0].shape[1]))
@@ -164,7 +165,7 @@ def test_fp8_length_padding_leaves_training_unchanged(setup, tmp_path, monkeypat
     runs = {}
     for multiple in (1, 16):
         monkeypatch.setattr(policy_mod, "seq_len_multiple", lambda *a, m=multiple, **k: m)
-        monkeypatch.setattr(lp_mod, "forward_backward", spy_fb)
+        monkeypatch.setattr(policy_mod, "forward_backward", spy_fb)
         lengths.clear()
         out = tmp_path / f"m{multiple}"
         trainer = Trainer(_cfg(setup, out, "train.prompts_per_step=2", "rollout.n_samples_per_prompt=2",

@@ -31,6 +31,22 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+import torch.multiprocessing as mp
+from megatron.core import parallel_state as ps
+from transformers import AutoModelForCausalLM
+
+from megatron_opd.models.checkpoint import (HF_ASSETS_DIR, CheckpointError, commit_partial, copy_hf_assets,
+                                            hf_config_dict, load_model_checkpoint, prepare_partial,
+                                            read_checkpoint_meta, save_model_checkpoint)
+from megatron_opd.models.gpt import build_gpt_model
+from megatron_opd.models.hf_config import HFConfigError, transformer_config_from_hf
+from megatron_opd.models.hf_io import (HFDirError, LazySafetensors, config_from_dict, load_hf_config,
+                                       write_safetensors_shards)
+from megatron_opd.models.parallel import destroy_parallel, init_parallel
+from megatron_opd.models.weight_mapping import (ModelDims, WeightMappingError, check_hf_state_dict,
+                                                hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Default --verify tolerance on max |logit diff|: fp32 is near-exact; half types accumulate rounding.
 DEFAULT_VERIFY_TOL = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
@@ -52,8 +68,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, job: dict, q: A
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     try:
-        import torch
-
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         q.put((rank, "ok", fn(rank, world_size, job)))
     except BaseException:  # noqa: BLE001 - report to the parent, which stops the other ranks
@@ -65,8 +79,6 @@ def spawn_ranks(fn: Callable, world_size: int, job: dict, timeout_s: float = 360
 
     The first failing rank stops the others (they would otherwise wait in a collective forever).
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -119,24 +131,14 @@ def _is_rank0() -> bool:
 # --------------------------------------------------------------------------------------------- workers
 
 def _torch_dtype(name: str):
-    import torch
-
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _model_parallel_ranks() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps
-
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
 
 
 def _hf_to_mcore_worker(rank: int, world_size: int, job: dict) -> dict:
-    from megatron_opd.models.checkpoint import save_model_checkpoint
-    from megatron_opd.models.gpt import build_gpt_model
-    from megatron_opd.models.parallel import destroy_parallel, init_parallel
-    from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
-    from megatron_opd.models.hf_io import LazySafetensors, load_hf_config
-
     tp, pp = job["tp"], job["pp"]
     init_parallel(tp, pp, backend=job["backend"])
     try:
@@ -154,12 +156,6 @@ def _hf_to_mcore_worker(rank: int, world_size: int, job: dict) -> dict:
 
 
 def _mcore_to_hf_worker(rank: int, world_size: int, job: dict) -> dict:
-    from megatron_opd.models.checkpoint import commit_partial, copy_hf_assets, load_model_checkpoint, prepare_partial
-    from megatron_opd.models.gpt import build_gpt_model
-    from megatron_opd.models.parallel import destroy_parallel, init_parallel
-    from megatron_opd.models.weight_mapping import iter_hf_weights
-    from megatron_opd.models.hf_io import config_from_dict, write_safetensors_shards
-
     tp, pp = job["tp"], job["pp"]
     init_parallel(tp, pp, backend=job["backend"])
     try:
@@ -186,14 +182,6 @@ def _mcore_to_hf_worker(rank: int, world_size: int, job: dict) -> dict:
 
 def _verify_worker(rank: int, world_size: int, job: dict) -> dict:
     """Megatron (1x1, from the torch_dist checkpoint) vs HF (from the HF dir) logits on random ids."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megatron_opd.models.checkpoint import load_model_checkpoint
-    from megatron_opd.models.gpt import build_gpt_model
-    from megatron_opd.models.parallel import destroy_parallel, init_parallel
-    from megatron_opd.models.hf_io import load_hf_config
-
     dtype = _torch_dtype(job["dtype"])
     init_parallel(1, 1, backend=job["backend"])
     try:
@@ -240,9 +228,6 @@ def _verify(args: argparse.Namespace, hf_dir: Path, ckpt: Path, dtype: str) -> i
 
 
 def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
-    from megatron_opd.models.weight_mapping import ModelDims, check_hf_state_dict
-    from megatron_opd.models.hf_io import LazySafetensors, load_hf_config
-
     hf_dir, out = Path(args.hf), Path(args.out).resolve()
     cfg = load_hf_config(hf_dir)
     sd = LazySafetensors(hf_dir)
@@ -266,18 +251,12 @@ def cmd_hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_opd.models.checkpoint import HF_ASSETS_DIR, hf_config_dict, read_checkpoint_meta
-    from megatron_opd.models.weight_mapping import ModelDims
-    from megatron_opd.models.hf_io import load_hf_config
-
     ckpt, out = Path(args.ckpt).resolve(), Path(args.out).resolve()
     meta = read_checkpoint_meta(ckpt)
     if args.hf_config:
         cfg = load_hf_config(args.hf_config)
         source = str(Path(args.hf_config))
     elif meta.get("hf_config"):
-        from megatron_opd.models.hf_io import config_from_dict
-
         cfg = config_from_dict(meta["hf_config"], where=f"{ckpt}/megatron_opd.json:hf_config")
         source = f"{ckpt}/megatron_opd.json:hf_config"
     else:
@@ -306,8 +285,6 @@ def cmd_mcore_to_hf(args: argparse.Namespace) -> int:
 
 def _validate_megatron_config(cfg: Any, tp: int, pp: int) -> None:
     """The HF config must also be one megatron can build (raises HFConfigError naming the field)."""
-    from megatron_opd.models.hf_config import transformer_config_from_hf
-
     transformer_config_from_hf(cfg, tp=tp, pp=pp)
 
 
@@ -351,11 +328,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
-    from megatron_opd.models.checkpoint import CheckpointError
-    from megatron_opd.models.hf_config import HFConfigError
-    from megatron_opd.models.weight_mapping import WeightMappingError
-    from megatron_opd.models.hf_io import HFDirError
-
     try:
         if args.direction == "hf-to-mcore":
             return cmd_hf_to_mcore(args)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
     "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -19,9 +22,6 @@ SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 def byte_tokenizer(chat_template: bool = True, bos: bool = False) -> Any:
     """Vocab: the 3 special tokens (ids 0..2: pad, im_start, im_end = EOS) then the 256 byte symbols.
     With `bos`, ``<|im_start|>`` doubles as BOS and plain (non-chat) encoding prepends it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
     for ch in sorted(alphabet):

@@ -42,6 +42,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -457,8 +458,6 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def grader_info() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         mv = version("math-verify")
     except PackageNotFoundError:

@@ -50,6 +50,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+import sympy
+from math_verify import parse, verify
+
 GradeStatus = Literal["correct", "incorrect", "no_answer", "error"]
 ExtractMethod = Literal["boxed", "hashes", "answer_is", "prose_math", "last_number", "none"]
 
@@ -445,15 +448,11 @@ def _timeout(seconds: Optional[int]) -> Optional[int]:
 
 
 def _parse(expr: str, timeout_s: Optional[int]) -> list:
-    from math_verify import parse
-
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
 
 
 def _as_number(parsed: list) -> Optional[Any]:
     """The parsed value as a sympy number (finite, real), or None when it is anything else."""
-    import sympy
-
     if not parsed or not isinstance(parsed[0], sympy.Basic):
         return None
     expr = parsed[0]
@@ -488,8 +487,6 @@ def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact
 
 def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: bool, rel_tol: float,
                 abs_tol: float) -> bool:
-    from math_verify import verify
-
     pred, gold = _clean(pred), _clean(gold)
     names = _named(pred), _named(gold)
     if all(names) and canonical_text(names[0][0]) != canonical_text(names[1][0]):

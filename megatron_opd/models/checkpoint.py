@@ -22,6 +22,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+from megatron_opd.models.hf_io import write_safetensors_shards
+from megatron_opd.models.weight_mapping import load_megatron_state_dict
 
 META_FILE = "megatron_opd.json"
 HF_ASSETS_DIR = "hf_assets"
@@ -37,8 +43,6 @@ class CheckpointError(RuntimeError):
 
 
 def _dist():
-    import torch.distributed as dist
-
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
@@ -104,8 +108,6 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *
     config the model was built from) is stored in the metadata; tokenizer files found in
     `hf_assets_from` are copied to `hf_assets/`.
     """
-    from megatron.core import dist_checkpointing, parallel_state
-
     tmp = prepare_partial(ckpt_dir, overwrite=overwrite)
     gpt = model
     while hasattr(gpt, "module") and isinstance(gpt.module, torch.nn.Module):
@@ -131,8 +133,6 @@ def write_hf_dir(weights: Any, hf_config: Any, source: str | os.PathLike, tmp: P
     (a policy's `iter_hf_weights()`), the HF config, `source`'s tokenizer/generation files and
     `meta_name` holding `meta`. Collective: every rank drains `weights` (the gathers run on all of
     them), rank 0 writes; `commit_partial` then puts the directory in place."""
-    from megatron_opd.models.hf_io import write_safetensors_shards
-
     if _rank() == 0:
         write_safetensors_shards(weights, tmp)
         hf_config.save_pretrained(str(tmp))
@@ -179,11 +179,6 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
     the key); extra checkpoint content (e.g. optimizer state) is ignored. The loaded tensors are
     copied in with names and shapes checked.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from megatron_opd.models.weight_mapping import load_megatron_state_dict
-
     read_checkpoint_meta(ckpt_dir)
     gpt = model
     while hasattr(gpt, "module") and isinstance(gpt.module, torch.nn.Module):

@@ -17,6 +17,10 @@ import logging
 from typing import Any, Iterator, Literal, Optional
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 
 from megatron_opd.models.hf_config import transformer_config_from_hf
 
@@ -65,11 +69,7 @@ def layer_spec_for(config: Any, layer_spec: Literal["local", "te"]) -> Any:
             import transformer_engine  # noqa: F401
         except ImportError as e:
             raise ImportError("model.layer_spec=te needs transformer_engine installed") from e
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
     return get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
 
 
@@ -98,9 +98,6 @@ def build_gpt_model(
     The model is on the current CUDA device on GPU, on CPU otherwise. Its vocabulary is padded
     (``model.vocab_size``); ``model.hf_vocab_size`` is the real one.
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron parallel state is not initialised: call "
                            "megatron_opd.models.parallel.init_parallel(tp, pp) first")

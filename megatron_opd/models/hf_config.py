@@ -15,6 +15,9 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_opd.models.weight_mapping import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
 
 Family = Literal["qwen2", "qwen3", "llama"]
 
@@ -123,10 +126,6 @@ def transformer_config_from_hf(
     ``fp8`` is a TE recipe name (delayed|tensorwise|mxfp8|blockwise), GPU + Transformer Engine only.
     ``overrides`` sets extra TransformerConfig fields (unknown names are an error).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_opd.models.weight_mapping import DEFAULT_VOCAB_DIVISIBLE_BY, padded_vocab_size
-
     family = family_of(hf_config)
     act = _get(hf_config, "hidden_act", "silu")
     if act != "silu":

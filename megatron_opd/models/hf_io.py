@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from megatron_opd.models.weight_mapping import bucket_hf_weights
 
 SAFE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
@@ -34,8 +39,6 @@ def load_hf_config(path: str | os.PathLike) -> Any:
 
 
 def config_from_dict(data: dict[str, Any], where: str = "config") -> Any:
-    from transformers import AutoConfig
-
     data = dict(data)
     model_type = data.pop("model_type", None)
     if not model_type:
@@ -54,8 +57,6 @@ class LazySafetensors(Mapping):
     """
 
     def __init__(self, hf_dir: str | os.PathLike):
-        from safetensors import safe_open
-
         d = Path(hf_dir)
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -110,10 +111,6 @@ def write_safetensors_shards(weights: Iterable[tuple[str, torch.Tensor]], out_di
                              max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write `(name, tensor)` pairs as HF safetensors: one `model.safetensors`, or numbered shards
     plus `model.safetensors.index.json` when they exceed `max_shard_bytes`. Returns the file names."""
-    from safetensors.torch import save_file
-
-    from megatron_opd.models.weight_mapping import bucket_hf_weights
-
     out = Path(out_dir)
     parts: list[tuple[str, list[str]]] = []
     total = 0

@@ -24,6 +24,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]
 
@@ -218,8 +221,6 @@ def model_vocab_size(model: torch.nn.Module) -> Optional[int]:
 
 
 def default_tp_group() -> Optional[dist.ProcessGroup]:
-    from megatron.core import parallel_state
-
     if not parallel_state.model_parallel_is_initialized():
         return None
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
@@ -353,8 +354,6 @@ def forward_backward(
     (the trainer computes that micro-batch's reference logits there, so only one is ever held).
     ``layout`` (`models.parallel.ModelLayout`) runs a model built with its own process groups.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if not microbatches:
         raise ValueError("microbatches: empty")
     b, s = microbatches[0]["input_ids"].shape
@@ -384,14 +383,10 @@ def forward_backward(
     if layout is None:
         schedule = get_forward_backward_func()
     else:
-        from megatron.core.pipeline_parallel import schedules
-
         kwargs["pg_collection"] = layout.groups
         if layout.pp == 1:
             schedule = schedules.forward_backward_no_pipelining
         else:
-            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
             schedule = schedules.forward_backward_pipelining_without_interleaving
             kwargs["p2p_communicator"] = P2PCommunicator(pp_group=layout.groups.pp, config=_unwrap(model).config)
     return list(schedule(

@@ -13,9 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_opd.algo._checks import all_finite
 from megatron_opd.config import OptimConfig
+from megatron_opd.models.parallel import host_group
 
 
 @dataclass
@@ -34,8 +40,6 @@ def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = True,
 
     ``check_for_nan_in_grad`` makes megatron raise on a NaN gradient; the trainer turns it off and
     skips (and counts) such steps itself with ``grads_finite``."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -47,8 +51,6 @@ def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = True,
 
 def optimizer_config(optim: OptimConfig, params_dtype: torch.dtype) -> Any:
     """megatron ``OptimizerConfig`` from our ``OptimConfig`` (Adam; bf16/fp16 keep fp32 main params)."""
-    from megatron.core.optimizer import OptimizerConfig
-
     return OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
@@ -68,8 +70,6 @@ def optimizer_config(optim: OptimConfig, params_dtype: torch.dtype) -> Any:
 def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
     """megatron ``OptimizerParamScheduler`` stepping once per optimizer step (warmup from 0, then
     ``lr_decay_style`` to ``min_lr`` over the remaining steps; constant weight decay)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     if total_steps < 1:
         raise ValueError(f"total_steps: must be >= 1, got {total_steps}")
     if optim.warmup_steps > total_steps:
@@ -94,9 +94,6 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int,
     """DDP-wrap ``model``, build the megatron optimizer and scheduler, and hook megatron's grad
     finalisation (DP all-reduce / reduce-scatter, tied-embedding grads across PP stages) into the
     model config so ``get_forward_backward_func`` schedules run it."""
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-
     ddp = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer,
                    check_for_nan_in_grad=check_for_nan_in_grad)
     cfg = model.config
@@ -115,8 +112,6 @@ def skip_param_gather_on_one_rank(ddp: Any) -> bool:
     on CPU the gloo all-gather also left every later GEMM in the process ~2.5x slower (an 8x576x1536
     fp32 linear: 0.19 -> 0.46 s per 2000 calls, measured; decode after the first step ran 40% slower).
     Returns whether it was skipped."""
-    from megatron.core import parallel_state as ps
-
     if ps.get_data_parallel_world_size(with_context_parallel=True) != 1 or getattr(
             ddp.ddp_config, "use_megatron_fsdp", False):
         return False
@@ -146,11 +141,7 @@ def optimizer_step(setup: TrainingSetup) -> dict[str, float]:
 
 def grads_finite(setup: TrainingSetup) -> bool:
     """True on every rank iff every rank's (finalised) gradients are finite."""
-    import torch.distributed as dist
-
     ok = all(all_finite(g) for p in setup.model.parameters() if (g := getattr(p, "main_grad", None)) is not None)
-    from megatron_opd.models.parallel import host_group
-
     flag = torch.tensor([1.0 if ok else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group("world"))

@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_opd.models.cpu_compat import apply_cpu_shims
 
@@ -72,8 +74,6 @@ def init_parallel(
     `tp * pp` must divide the world size; the remainder is data parallel. Re-initialising with the
     same sizes is a no-op apart from re-seeding; with different sizes the old groups are destroyed.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     if tp < 1 or pp < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tp={tp} pp={pp}")
     use_cuda = torch.cuda.is_available()
@@ -128,8 +128,6 @@ def host_group(kind: Literal["world", "dp"]) -> Optional[dist.ProcessGroup]:
     advantage statistics). NCCL refuses CPU tensors, so these must never go to the default or the
     NCCL data-parallel group on a GPU cluster; gloo groups over the same ranks are made up front.
     None when the group has one rank (callers skip the collective)."""
-    from megatron.core import parallel_state
-
     if kind == "dp":
         if parallel_state.get_data_parallel_world_size() == 1:
             return None
@@ -176,8 +174,6 @@ def layout_rank_grid(world: int, tp: int, pp: int) -> list[list[list[int]]]:
 def make_layout(tp: int, pp: int) -> ModelLayout:
     """Process groups for a model laid out TP x PP over every rank (collective: all ranks call it, in the
     same order). Used for a teacher whose layout differs from the student's."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = layout_rank_grid(world, tp, pp)
     dp = world // (tp * pp)
@@ -216,8 +212,6 @@ def make_layout(tp: int, pp: int) -> ModelLayout:
 
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _HOST_GROUPS.clear()
@@ -227,35 +221,25 @@ def destroy_parallel() -> None:
 
 def tp_group() -> Optional[dist.ProcessGroup]:
     """The tensor-parallel group, or None when TP is 1 (callers then skip the collectives)."""
-    from megatron.core import parallel_state
-
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
     return parallel_state.get_tensor_model_parallel_group()
 
 
 def is_pipeline_first_stage() -> bool:
-    from megatron.core import parallel_state
-
     return parallel_state.is_pipeline_first_stage(ignore_virtual=True)
 
 
 def is_pipeline_last_stage() -> bool:
-    from megatron.core import parallel_state
-
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
 def data_parallel_rank_size() -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size) of the student's layout."""
-    from megatron.core import parallel_state
-
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
 def tensor_parallel_rank() -> int:
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_rank()
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,8 +69,6 @@ def export_smollm2(out_dir: Optional[str | Path] = None) -> Path:
     out = Path(out_dir) if out_dir else default_cache_dir() / "smollm2-135m-instruct"
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -82,8 +81,6 @@ def export_smollm2(out_dir: Optional[str | Path] = None) -> Path:
 
 def prune_layers(src_dir: str | Path, out_dir: str | Path, keep: Sequence[int]) -> Path:
     """Copy an HF Llama/Qwen2 directory keeping only decoder layers `keep` (in order)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = Path(out_dir)
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 Family = Literal["qwen2", "qwen3", "llama"]
 
@@ -14,8 +15,6 @@ Family = Literal["qwen2", "qwen3", "llama"]
 def tiny_hf_config(family: Family = "qwen2", **overrides: Any):
     """A small config of the given family. Defaults exercise GQA, untied embeddings, (Qwen2) QKV bias and
     (Qwen3) q/k norms with a head_dim that is not hidden_size / heads."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -33,8 +32,6 @@ def tiny_hf_config(family: Family = "qwen2", **overrides: Any):
 
 def make_tiny_hf_model(family: Family = "qwen2", out_dir: str | Path | None = None, seed: int = 0, **overrides: Any):
     """Build (and optionally save as safetensors to `out_dir`) a random tiny HF causal LM."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     cfg = tiny_hf_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

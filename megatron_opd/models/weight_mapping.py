@@ -32,9 +32,12 @@ The reverse paths read the padded size from the tensors (or `GPTModel.vocab_size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 
 __all__ = [
     "WeightMappingError", "ModelDims", "padded_vocab_size", "hf_param_shapes", "megatron_param_shapes",
@@ -507,8 +510,6 @@ def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None
     own parameter storage, not a copy: a consumer that keeps tensors beyond the current layer or
     writes them out must copy them (`write_safetensors_shards` does).
     """
-    import torch.distributed as dist
-
     if tp_group is None or pp_group is None:
         from megatron.core import parallel_state as ps
         if ps.model_parallel_is_initialized():
@@ -586,10 +587,6 @@ def _device_of(sd: Mapping[str, torch.Tensor]) -> torch.device:
 
 def load_hf_state_dict(hf_dir: Any) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, Optional
+from urllib.parse import urlparse
+
+import torch
 
 from megatron_opd.rollout.base import (EOSMismatchError, RolloutEngine, Sample, SamplingParams, StaleWeightsError,
                                        assert_fresh, check_eos_compat, eos_ids_from, iter_buckets, push_weights)
+from megatron_opd.rollout.server import api_key_from_env, sglang_cli_args
 
 
 def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
@@ -23,9 +29,7 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
     The API key is read from the environment variable named by cfg.api_key_env (a launched server gets
     that key, or a generated one, as --api-key)."""
     if cfg.backend == "local":
-        from megatron_opd.rollout.local import LocalEngine
-
-        import torch
+        from megatron_opd.rollout.local import LocalEngine  # lazy: each engine pulls its own stack
 
         eos = eos_token_ids or eos_ids_from(hf_path)
         threads = getattr(cfg, "num_threads", 0)
@@ -35,10 +39,7 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
                                            pad_token_id=pad_token_id, num_threads=threads,
                                            device="cuda" if torch.cuda.is_available() else "cpu")
     if cfg.backend == "sglang":
-        import torch
-
-        from megatron_opd.rollout.server import api_key_from_env, sglang_cli_args
-        from megatron_opd.rollout.sglang_engine import SGLangEngine
+        from megatron_opd.rollout.sglang_engine import SGLangEngine  # lazy: as above
 
         # release/resume needs SGLang's memory saver (torch_memory_saver): CUDA only, and only on an engine
         # or server we start with it on (an attached server may not have --enable-memory-saver)
@@ -54,8 +55,6 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
 def weight_sync_backend(parallel_backend: str = "auto") -> str:
     """Backend of the disaggregated weight group: the trainer's parallel.backend, or with "auto" NCCL when
     CUDA is available and gloo otherwise."""
-    import torch
-
     if parallel_backend in ("nccl", "gloo"):
         return parallel_backend
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -64,10 +63,6 @@ def weight_sync_backend(parallel_backend: str = "auto") -> str:
 def weight_sync_address(engine: Any) -> str:
     """Address the engine reaches trainer rank 0 at for the weight-group rendezvous: $MEGATRON_OPD_WEIGHT_SYNC_ADDR,
     else 127.0.0.1 for an engine on this machine (in-process or a loopback URL), else this host's name."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("MEGATRON_OPD_WEIGHT_SYNC_ADDR"):
         return os.environ["MEGATRON_OPD_WEIGHT_SYNC_ADDR"]
     url = getattr(engine, "url", None)
@@ -78,8 +73,6 @@ def weight_sync_address(engine: Any) -> str:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Protocol
 
 import torch
+
+from megatron_opd.models.weight_mapping import bucket_hf_weights
 
 
 @dataclass
@@ -94,9 +98,6 @@ def eos_ids_from(source: Any) -> list[int]:
     """EOS ids of a tokenizer, HF model, HF config / generation config, HF directory, or an explicit
     id / list of ids. For an HF directory or model, generation_config's eos_token_id wins over
     config's (instruct models list several ids there, e.g. <|im_end|> and <|endoftext|>)."""
-    import json
-    from pathlib import Path
-
     if isinstance(source, (int, list, tuple, set)):
         ids = sorted(set(_as_id_list(source)))
     elif isinstance(source, (str, Path)):
@@ -137,8 +138,6 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group named tensors into buckets of at most `bucket_bytes` (a single larger tensor gets its own
     bucket), so a weight sync never materialises more than one bucket at a time."""
-    from megatron_opd.models.weight_mapping import bucket_hf_weights
-
     return bucket_hf_weights(named_tensors, bucket_bytes)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from megatron_opd.algo._checks import all_finite
 from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
@@ -87,8 +88,6 @@ class LocalEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                         **kwargs: Any) -> "LocalEngine":
-        from transformers import AutoModelForCausalLM
-
         p = Path(path)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"LocalEngine: {p}/config.json not found (expected an HF model directory)")
@@ -152,8 +151,6 @@ class LocalEngine:
 
     def _generate_batch(self, rows: list[tuple[int, list[int]]], sp: SamplingParams, stop: set[int],
                         gen: torch.Generator) -> list[Sample]:
-        from transformers import DynamicCache
-
         dev = self._device
         lens = [len(p) for _, p in rows]
         width = max(lens)

@@ -20,6 +20,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from megatron_opd.rollout.keyed_launch import KEY_ENV
+
 
 class ServerError(RuntimeError):
     """The server failed to start, died, or did not answer in time."""
@@ -119,14 +121,25 @@ class ServerProcess:
     `cmd` is the full argv. The process runs in its own session so shutdown reaches the workers it
     spawns (SGLang forks scheduler/detokenizer processes) and only those. stdout+stderr go to `log_path`.
     `max_restarts` > 0 restarts a dead server on the next request instead of raising.
+
+    `api_key` is sent with every request. With `pass_key` the server is also started with it, out of
+    sight: `cmd` (a python command, `[python, -m, module, ...]` or `[python, script, ...]`) runs through
+    `rollout/keyed_launch.py`, which takes the key from the environment, gives it to the server as
+    `--api-key` inside the process, and redacts it from everything the server and its workers print.
+    Log tails in error messages are redacted too.
     """
 
     def __init__(self, cmd: Sequence[str], host: str = "127.0.0.1", port: int = 30000, health_path: str = "/health",
                  startup_timeout: float = 600.0, request_timeout: float = 600.0, retries: int = 2,
                  log_path: Optional[str | Path] = None, env: Optional[dict[str, str]] = None, max_restarts: int = 0,
-                 log_tail_lines: int = 40, api_key: Optional[str] = None):
+                 log_tail_lines: int = 40, api_key: Optional[str] = None, pass_key: bool = False):
         self.cmd = [str(c) for c in cmd]
         self.api_key = api_key  # sent with every request (the server was started with --api-key)
+        if pass_key:
+            if not api_key:
+                raise ValueError("ServerProcess: pass_key without an api_key")
+            self.cmd = [self.cmd[0], "-m", "megatron_opd.rollout.keyed_launch", *self.cmd[1:]]
+            env = {**(env or {}), KEY_ENV: api_key}
         self.host, self.port = host, port
         self.health_path = health_path
         self.startup_timeout = startup_timeout
@@ -157,7 +170,8 @@ class ServerProcess:
         return self
 
     def last_log(self, n: Optional[int] = None) -> str:
-        return _tail(self.log_path, n or self.log_tail_lines)
+        tail = _tail(self.log_path, n or self.log_tail_lines)
+        return tail.replace(self.api_key, "<redacted>") if self.api_key else tail
 
     def _died(self, what: str) -> ServerError:
         rc = self.proc.returncode if self.proc is not None else None

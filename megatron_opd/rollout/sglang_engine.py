@@ -23,22 +23,28 @@ and /end_weight_update; a server without those routes answers 404 and is updated
     RuntimeError, never a hang.
   * `update_weights_from_disk(path, version)`: reload from an HF directory (the fallback that works everywhere).
 
-A launched server gets `--api-key` (generated when none is given); every request carries it.
+A launched server gets `--api-key` (generated when none is given) through rollout/keyed_launch.py: not on
+its command line, and redacted from its log; every request carries it.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import inspect
 import logging
 import os
 import secrets
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
+import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                default_pg_timeout, rendezvous)
 
 from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
 from megatron_opd.rollout.server import ServerError, ServerProcess, http_json, sglang_server_cmd
@@ -133,13 +139,11 @@ class SGLangEngine:
             if server_url is None:
                 # weight-update endpoints must not be open to anyone who can reach the port: always a key
                 self.api_key = api_key or secrets.token_hex(24)
-                args = [*server_args, "--api-key", self.api_key]
-                if memory_saver:
-                    args.append("--enable-memory-saver")
+                args = [*server_args, *(["--enable-memory-saver"] if memory_saver else [])]
                 self.server = ServerProcess(sglang_server_cmd(model_path, host, port, args), host=host,
                                             port=port, startup_timeout=startup_timeout,
                                             request_timeout=request_timeout, log_path=log_path,
-                                            api_key=self.api_key).start()
+                                            api_key=self.api_key, pass_key=True).start()
                 self.url = self.server.url
         else:
             raise ValueError(f"rollout.sglang_mode: unknown {mode!r} (expected engine or server)")
@@ -375,8 +379,6 @@ def _children() -> list[Any]:
 def _is_mp_helper(pid: int) -> bool:
     """multiprocessing's resource tracker, often started while the engine is built: not the engine's to kill
     (killing it leaks semaphores and makes multiprocessing warn and relaunch it)."""
-    from multiprocessing import resource_tracker
-
     return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None) == pid
 
 
@@ -431,8 +433,6 @@ def _check_success(res: Any, what: str) -> None:
 def use_file_system_sharing() -> None:
     """Tensor updates to an SGLang *server* pass tensors by torch.multiprocessing handles; with the default
     (file_descriptor) strategy the scheduler fails with `AuthenticationError: digest received was wrong`."""
-    import torch.multiprocessing as mp
-
     if mp.get_sharing_strategy() != "file_system":
         mp.set_sharing_strategy("file_system")
 
@@ -449,11 +449,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     if sgl_init is not None:
         return sgl_init(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
                         group_name=group_name, timeout=timeout)
-    import inspect
-
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
-
     timeout = timeout or default_pg_timeout
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)

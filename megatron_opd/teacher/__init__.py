@@ -4,27 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from transformers import AutoConfig
+
+from megatron_opd.rollout.base import eos_ids_from
+from megatron_opd.rollout.server import api_key_from_env
 from megatron_opd.teacher.base import Teacher, TeacherScore, TeacherScoreError, validate_scores
+from megatron_opd.teacher.hf import HFTeacher
+from megatron_opd.teacher.megatron import MegatronTeacher
+from megatron_opd.teacher.sglang import SGLangTeacher
 
 
 def make_teacher(cfg: Any, eos_token_ids: Optional[list[int]] = None) -> Teacher:
     """Teacher for a `TeacherConfig`. backend=megatron needs init_parallel(teacher TP, PP) done first;
     backend=sglang talks to cfg.server_url (an already running SGLang server)."""
     if cfg.backend == "hf":
-        from megatron_opd.teacher.hf import HFTeacher
-
         return HFTeacher.from_pretrained(cfg.hf_path, micro_batch_size=cfg.micro_batch_size or 8)
     if cfg.backend == "megatron":
-        from megatron_opd.teacher.megatron import MegatronTeacher
-
         return MegatronTeacher.from_hf(cfg.hf_path, micro_batch_size=cfg.micro_batch_size or 8)
     if cfg.backend == "sglang":
-        from transformers import AutoConfig
-
-        from megatron_opd.rollout.base import eos_ids_from
-        from megatron_opd.rollout.server import api_key_from_env
-        from megatron_opd.teacher.sglang import SGLangTeacher
-
         if cfg.server_url is None:
             raise ValueError("teacher.server_url: required for teacher.backend=sglang (start the server first)")
         ids = eos_token_ids if eos_token_ids is not None else eos_ids_from(cfg.hf_path)

@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from transformers import AutoConfig, AutoTokenizer
+
+from megatron_opd.data.prompts import encode, eos_id, has_chat_template, tokenize_prompt
+from megatron_opd.rollout.base import eos_ids_from
+from megatron_opd.teacher.hf import HFTeacher
+from megatron_opd.teacher.sglang import SGLangTeacher
+
 Level = Literal["ok", "info", "warn", "error"]
 PROBE_MESSAGES = [{"role": "user", "content": "What is 1 + 1? Put the answer in \\boxed{}."}]
 PROBE_REPLY = "1 + 1 = 2, so the answer is $\\boxed{2}$."
@@ -177,8 +184,6 @@ def compare_vocab(student_vocab: int, teacher_vocab: int, n_tokens: int) -> list
 
 def probe_ids(tokenizer: Any, chat_template: bool = True) -> tuple[list[int], list[int]]:
     """(prompt ids, response ids) of the probe conversation, as the trainer would tokenize them."""
-    from megatron_opd.data.prompts import encode, has_chat_template, tokenize_prompt
-
     _, prompt = tokenize_prompt(PROBE_MESSAGES[0]["content"], tokenizer, chat_template and has_chat_template(tokenizer))
     return prompt, encode(tokenizer, PROBE_REPLY, add_special_tokens=False)
 
@@ -187,10 +192,6 @@ def compare_teacher_server(teacher: Union[str, Path], url: str, tokenizer: Any, 
                            max_absdiff: float = 0.1, chat_template: bool = True) -> list[Finding]:
     """The served teacher's log-probs against the in-process reference (HF, which the megatron teacher
     matches to 1e-4 in the tests) on the probe tokens: engine version, dtype or checkpoint drift."""
-    from megatron_opd.rollout.base import eos_ids_from
-    from megatron_opd.teacher.hf import HFTeacher
-    from megatron_opd.teacher.sglang import SGLangTeacher
-
     prompt, response = probe_ids(tokenizer, chat_template)
     local = HFTeacher.from_pretrained(teacher).score([prompt], [response])[0].logprobs
     served = SGLangTeacher(url, eos_token_ids=eos_ids_from(teacher), api_key=api_key, retries=1).score(
@@ -205,11 +206,6 @@ def compare_teacher_server(teacher: Union[str, Path], url: str, tokenizer: Any, 
 def check_pair(student: Union[str, Path], teacher: Union[str, Path], engine_eos: Optional[list[int]] = None,
                chat_template: bool = True) -> PairReport:
     """All the tokenizer/config checks for two HF model directories (tokenizer + config files only)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from megatron_opd.data.prompts import eos_id
-    from megatron_opd.rollout.base import eos_ids_from
-
     s_tok, t_tok = AutoTokenizer.from_pretrained(str(student)), AutoTokenizer.from_pretrained(str(teacher))
     s_cfg, t_cfg = AutoConfig.from_pretrained(str(student)), AutoConfig.from_pretrained(str(teacher))
     report = PairReport(compare_tokenizers(s_tok, t_tok))

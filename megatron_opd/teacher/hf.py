@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, scores_from_logits, validate_scores
@@ -29,8 +30,6 @@ class HFTeacher:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                         **kwargs: Any) -> "HFTeacher":
-        from transformers import AutoModelForCausalLM
-
         p = Path(path)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"HFTeacher: {p}/config.json not found (expected an HF model directory)")

@@ -12,8 +12,12 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import AutoConfig
 
-from megatron_opd.models.weight_mapping import load_hf_state_dict
+from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
+from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
+from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_hf_state_dict, load_megatron_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
 
@@ -88,12 +92,6 @@ class MegatronTeacher:
     def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
                 params_dtype: Optional[torch.dtype] = None, layout: Optional[Any] = None,
                 **kwargs: Any) -> "MegatronTeacher":
-        from megatron.core import parallel_state
-        from transformers import AutoConfig
-
-        from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
-        from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
-
         p = Path(path)
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"MegatronTeacher: {p}/config.json not found (expected an HF model directory)")
@@ -115,10 +113,6 @@ class MegatronTeacher:
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], top_k: int = 0) -> list[TeacherScore]:
-        from megatron.core import parallel_state
-
-        from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
-
         check_score_inputs(prompts, responses, self.vocab_size, top_k)
         n = len(prompts)
         if n == 0:

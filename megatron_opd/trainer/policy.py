@@ -11,8 +11,17 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_opd.config import Config
+from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
+from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
+                                          mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
+from megatron_opd.models.optimizer import grads_finite, optimizer_step, setup_training, unwrap, zero_grads
+from megatron_opd.models.parallel import host_group
+from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
+from megatron_opd.teacher.megatron import vocab_parallel_topk
 from megatron_opd.trainer.batch import TrainBatch, pad_batch, round_up, seq_len_multiple
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
@@ -40,13 +49,6 @@ class MegatronPolicy:
     def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], cfg: Config, *,
                  trainable: bool, total_steps: int = 1, temperature: Optional[float] = None,
                  params_dtype: Optional[str] = None):
-        from megatron.core import parallel_state as ps
-
-        from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
-        from megatron_opd.models.logprobs import default_tp_group, enable_logit_rows, vocab_parallel_reduce
-        from megatron_opd.models.optimizer import setup_training
-        from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
-
         self.cfg = cfg
         self.hf_config = hf_config
         self.trainable = trainable
@@ -116,8 +118,6 @@ class MegatronPolicy:
 
     def rows_token_logp(self, rows: torch.Tensor, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
         """[B, T] fp32 log-probs of the response tokens from their [N, V/tp] logit rows (see `_rows`)."""
-        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
-
         b_idx, _, pos = batch.response_rows()
         vals = vocab_parallel_token_logprobs(rows, batch.tokens[b_idx, pos + 1], self.tp_group,
                                              vocab_size=self.vocab_size, temperature=temperature,
@@ -129,8 +129,6 @@ class MegatronPolicy:
         """[N, V/tp] logits of the N valid response tokens in row-major order (vocab padding masked), divided
         by the temperature T. At T != 1 they are fp32: a bf16 quotient would be rounded by up to 2^-9 of
         each logit, an error in the full KL far above fp32's; at T = 1 they stay in the model's dtype."""
-        from megatron_opd.models.logprobs import mask_vocab_padding
-
         rows = self._rows(logits, batch)
         if self.temperature != 1.0:
             rows = rows.to(torch.promote_types(rows.dtype, torch.float32)) / self.temperature
@@ -138,8 +136,6 @@ class MegatronPolicy:
 
     def topk_logp(self, logits: torch.Tensor, batch: TrainBatch, topk_ids: torch.Tensor) -> torch.Tensor:
         """Student log-probs of the teacher's top-k ids, [B, T, K] in the response layout."""
-        from megatron_opd.models.logprobs import vocab_parallel_token_logprobs
-
         b_idx, t_idx, _ = batch.response_rows()
         rows = self._rows(logits, batch)
         ids = topk_ids.to(rows.device)[b_idx, t_idx]
@@ -157,9 +153,6 @@ class MegatronPolicy:
         elsewhere), sorted by decreasing log-prob; vocab padding ids (and ids >= `id_limit`) never appear. Only the selected
         rows' [n, V/tp] logits are ever converted to fp32. Collective over the TP/PP group; on a
         non-last pipeline stage the result is all zeros (the loss lives on the last stage)."""
-        from megatron_opd.models.logprobs import forward_backward
-        from megatron_opd.teacher.megatron import vocab_parallel_topk
-
         B, T = batch.response_mask.shape
         ids_out = torch.zeros((B, T, k), dtype=torch.long)
         lp_out = torch.zeros((B, T, k), dtype=torch.float32)
@@ -203,8 +196,6 @@ class MegatronPolicy:
         Memory: `want_logits` keeps [N, V/tp] (`response_logits`: the model's dtype, fp32 at T != 1) for
         all N response tokens of `batch`; the trainer asks for it per micro-batch (`response_logits_for`),
         never per step."""
-        from megatron_opd.models.logprobs import forward_backward
-
         was_training = self.model.training
         self.model.eval()
         logps: list[torch.Tensor] = []
@@ -233,8 +224,6 @@ class MegatronPolicy:
         """[N, V/tp] response logits (`response_logits`) of one micro-batch, from a direct forward of this
         whole model (PP=1 only): what the trainer calls inside the student's schedule, right before
         the student's forward of the same micro-batch. Only the response rows' logits are computed."""
-        from megatron_opd.models.logprobs import forward_logits
-
         was_training = self.model.training
         self.model.eval()
         try:
@@ -248,8 +237,6 @@ class MegatronPolicy:
     def response_logits_for(self, micro_batches: list[TrainBatch]) -> list[Optional[torch.Tensor]]:
         """[N_i, V/tp] response logits (`response_logits`) of each micro-batch, through one forward-only
         pipeline pass (any PP); on a non-last stage a list of None."""
-        from megatron_opd.models.logprobs import forward_backward
-
         out: list[Optional[torch.Tensor]] = []
         was_training = self.model.training
         self.model.eval()
@@ -275,9 +262,6 @@ class MegatronPolicy:
         result set as `micro_batch.ref_logits`; whichever way they came, a micro-batch's reference
         logits are dropped from it once its loss is computed (autograd holds them until its backward),
         so at most one micro-batch's worth is alive at a time."""
-        from megatron_opd.models.logprobs import forward_backward
-        from megatron_opd.models.optimizer import grads_finite, optimizer_step, zero_grads
-
         assert self.setup is not None, "train_minibatch on a frozen policy"
         self.model.train()
         zero_grads(self.setup)
@@ -322,13 +306,9 @@ class MegatronPolicy:
         return stats
 
     def iter_hf_weights(self):
-        from megatron_opd.models.weight_mapping import iter_hf_weights
-
         return iter_hf_weights(self.model, self.hf_config)
 
     def state_dict(self) -> dict[str, Any]:
-        from megatron_opd.models.optimizer import unwrap
-
         state = {"model": {k: v for k, v in unwrap(self.model).state_dict().items()
                            if isinstance(v, torch.Tensor)}}
         if self.setup is not None:
@@ -341,8 +321,6 @@ class MegatronPolicy:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from megatron_opd.models.optimizer import unwrap
-
         missing, unexpected = unwrap(self.model).load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -389,8 +367,6 @@ def _optimizers(opt: Any) -> list[Any]:
 
 
 def unwrap_config(model: Any) -> Any:
-    from megatron_opd.models.optimizer import unwrap
-
     return unwrap(model).config
 
 
@@ -436,10 +412,6 @@ def _mean_stats(rows: list[dict[str, float]]) -> dict[str, float]:
 def _dp_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     """The per-micro-batch stats of every data-parallel rank: merged in one go they give the whole
     minibatch's values; a mean of per-rank means would weigh a rank's few tokens like another's many."""
-    import torch.distributed as dist
-
-    from megatron_opd.models.parallel import host_group
-
     group = host_group("dp") if dist.is_initialized() else None
     if group is None:
         return rows
@@ -476,10 +448,6 @@ def _inputs_finite(logp: torch.Tensor, batch: TrainBatch) -> bool:
 
 def _broadcast_flag(value: float) -> bool:
     """True on every rank if any rank saw `value` > 0 (the last stage computes the loss)."""
-    import torch.distributed as dist
-
-    from megatron_opd.models.parallel import host_group
-
     flag = torch.tensor([1.0 if value > 0 else 0.0])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=host_group("world"))

@@ -23,12 +23,15 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from megatron_opd.config import Config, ConfigError
+from megatron_opd.models.offload import WeightOffloader
 from megatron_opd.models.parallel import make_layout
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.rollout.server import (ServerError, ServerProcess, api_key_from_env, http_json, sglang_cli_args,
                                          sglang_server_cmd)
 from megatron_opd.teacher.fidelity import check_pair, topk_id_limit
+from megatron_opd.teacher.hf import HFTeacher
+from megatron_opd.teacher.megatron import MegatronTeacher
 from megatron_opd.teacher.sglang import SGLangTeacher
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch
 from megatron_opd.trainer.policy import MegatronPolicy, resolve_dtype
@@ -94,8 +97,6 @@ class Scorer:
         frozen = self.layout_teacher.model if self.layout_teacher is not None else (
             self.teacher_policy.model if self.teacher_policy is not None else None)
         if cfg.teacher.offload and frozen is not None:
-            from megatron_opd.models.offload import WeightOffloader
-
             self._offloader = WeightOffloader(frozen)
             self._offloader.offload()
 
@@ -132,8 +133,6 @@ class Scorer:
                                                  self.cfg, trainable=False, params_dtype=t.params_dtype,
                                                  temperature=1.0)  # the teacher's own distribution
         elif self.rank == 0 and t.backend == "hf":
-            from megatron_opd.teacher.hf import HFTeacher
-
             self.teacher = HFTeacher.from_pretrained(
                 t.hf_path, dtype=resolve_dtype(t.params_dtype),
                 device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu",
@@ -150,8 +149,6 @@ class Scorer:
     def _build_layout_teacher(self) -> None:
         """An in-process megatron teacher laid out teacher.tensor_model_parallel_size x
         pipeline_model_parallel_size over the same ranks as the student, through its own process groups."""
-        from megatron_opd.teacher.megatron import MegatronTeacher
-
         t = self.cfg.teacher
         world = dist.get_world_size() if dist.is_initialized() else 1
         size = t.tensor_model_parallel_size * t.pipeline_model_parallel_size
@@ -173,8 +170,8 @@ class Scorer:
         key = api_key_from_env(self.cfg.teacher.api_key_env) or secrets.token_hex(24)
         self.teacher_server = ServerProcess(
             sglang_server_cmd(self.cfg.teacher.hf_path, "127.0.0.1", port,
-                              [*sglang_cli_args(self.cfg.teacher.sglang_args), "--api-key", key]), port=port,
-            log_path=self.out_dir / "logs" / "sglang_teacher.log", api_key=key).start()
+                              sglang_cli_args(self.cfg.teacher.sglang_args)),
+            port=port, log_path=self.out_dir / "logs" / "sglang_teacher.log", api_key=key, pass_key=True).start()
         return self.teacher_server
 
     # -- scoring -------------------------------------------------------------------------------

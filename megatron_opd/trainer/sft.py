@@ -23,9 +23,19 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from transformers import AutoConfig, AutoTokenizer
 
 from megatron_opd.config import Config, ConfigError, load_config
+from megatron_opd.data.prompts import DataError, load_prompts
+from megatron_opd.data.sampler import PromptSampler
+from megatron_opd.models.checkpoint import CheckpointError, commit_partial, prepare_partial, write_hf_dir
+from megatron_opd.models.hf_config import check_family
+from megatron_opd.models.parallel import host_group, init_parallel
+from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch, split_micro_batches
+from megatron_opd.trainer.policy import MegatronPolicy
 
 # Under the YAML and the overrides (which win): SFT wants a larger step size than OPD's default.
 SFT_DEFAULTS = ["optim.lr=5e-5", "optim.lr_decay_style=cosine", "optim.min_lr=5e-6", "checkpoint.resume=never"]
@@ -58,10 +68,6 @@ def _nll_loss(total_tokens: int, scale: int):
 
 
 def _dp_mean(value: float) -> float:
-    import torch.distributed as dist
-
-    from megatron_opd.models.parallel import host_group
-
     group = host_group("dp")
     if group is None:
         return value
@@ -77,17 +83,6 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
     of `batch_size` sequences (split over the data-parallel ranks, `train.micro_batch_size` at a time)
     and write the result to `out` as an HF directory. Returns the run summary (also `sft_meta.json`).
     Collective: every rank calls it."""
-    from megatron.core import parallel_state as ps
-    from transformers import AutoConfig, AutoTokenizer
-
-    from megatron_opd.data.prompts import load_prompts
-    from megatron_opd.data.sampler import PromptSampler
-    from megatron_opd.models.checkpoint import commit_partial, prepare_partial, write_hf_dir
-    from megatron_opd.models.hf_config import check_family
-    from megatron_opd.models.parallel import init_parallel
-    from megatron_opd.models.weight_mapping import load_hf_state_dict
-    from megatron_opd.trainer.policy import MegatronPolicy
-
     if cfg.model.hf_path is None:
         raise ValueError("model.hf_path: required (the HF directory to fine-tune)")
     if not (Path(cfg.model.hf_path) / "config.json").is_file():
@@ -171,9 +166,6 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    from megatron_opd.data.prompts import DataError
-    from megatron_opd.models.checkpoint import CheckpointError
-
     try:
         summary = run_sft(cfg, args.out, args.steps, args.batch_size, args.max_response_tokens,
                           overwrite=args.overwrite)

@@ -25,11 +25,12 @@
 # $OUT/preempt.request; the trainer finishes its step, checkpoints, writes $OUT/preempted.json and exits;
 # the script then requeues the job (`scontrol requeue`), and the requeued job resumes from that checkpoint.
 #
-# API key: the servers accept weight updates, so each gets --api-key. The key is SGLANG_API_KEY,
+# API key: the servers accept weight updates, so each gets an API key. The key is SGLANG_API_KEY,
 # generated per job from /dev/urandom unless set, exported so the trainer (srun passes the
-# environment on) reads it through rollout.api_key_env / teacher.api_key_env, and never printed: the
-# server command line names "$SGLANG_API_KEY" and a `bash -c` wrapper expands it on the node, so it
-# is in neither this script's output nor srun's command line (it is in the server's own argv there).
+# environment on) reads it through rollout.api_key_env / teacher.api_key_env, and never printed or put
+# on a command line: each server runs under megatron_opd/rollout/keyed_launch.py, which reads it from
+# the environment, hands it to SGLang as --api-key inside the process (not in `ps`) and redacts it from
+# everything the server and its workers write to their logs.
 
 DRY_RUN="${DRY_RUN:-0}"
 if [[ -z "${PYTHON:-}" ]]; then
@@ -284,9 +285,8 @@ ensure_api_key() {
     export SGLANG_API_KEY
 }
 
-# The wrapper that appends --api-key "$SGLANG_API_KEY" on the compute node (argv: WRAP_KEY name CMD...).
-# shellcheck disable=SC2016  # single quotes on purpose: expanded by the wrapper on the node, not here
-WRAP_KEY=(bash -c 'exec "$@" --api-key "$SGLANG_API_KEY"' with-api-key)
+# The launcher that gives a server $SGLANG_API_KEY on the compute node (stdlib only: any python runs it).
+KEYED_LAUNCH=("${REPO_ROOT:-.}/megatron_opd/rollout/keyed_launch.py" --key-env SGLANG_API_KEY)
 
 # srun_on NODE CUDA_VISIBLE_DEVICES CMD... : the step prefix placing CMD on one node with the given
 # GPUs. --overlap lets servers and trainers share a node; `env` runs after SLURM's own GPU binding,
@@ -329,7 +329,7 @@ start_sglang() {
         local bind
         bind=$(addr_of "${nodes[i]}")
         ((i == 0)) && [[ -n "${!host_var:-}" ]] && bind=${!host_var}   # ROLLOUT_HOST / TEACHER_HOST: bind address
-        local -a cmd=("${WRAP_KEY[@]}" "$PYTHON" -m sglang.launch_server --model-path "$model" --host "$bind"
+        local -a cmd=("$PYTHON" "${KEYED_LAUNCH[@]}" -m sglang.launch_server --model-path "$model" --host "$bind"
             --port "$port" --tp-size "$tp" --dp-size "$dp" --skip-tokenizer-init)
         ((pp > 1)) && cmd+=(--pp-size "$pp")
         ((nnodes > 1)) && cmd+=(--nnodes "$nnodes" --node-rank "$i" --dist-init-addr "$head:$((port + 1000))")
