@@ -32,12 +32,12 @@ from megatron_opd.data.builtin.arithmetic import builtin_splits, make_arithmetic
 from megatron_opd.data.prompts import write_jsonl
 from megatron_opd.data.toy_tokenizer import byte_tokenizer
 from megatron_opd.eval.benchmarks import evaluate, load_benchmark
+from megatron_opd.metrics.runlog import read_metrics
 from megatron_opd.models.parallel import destroy_parallel
 from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
 from megatron_opd.models.tiny import make_tiny_hf_model
 from megatron_opd.rollout.base import SamplingParams
 from megatron_opd.rollout.local import LocalEngine
-from megatron_opd.trainer.logger import read_metrics
 from megatron_opd.trainer.loop import Trainer
 from megatron_opd.trainer.plot import plot_runs
 from megatron_opd.trainer.sft import read_sft_meta, run_sft, sft_defaults

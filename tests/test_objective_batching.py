@@ -457,7 +457,7 @@ def test_micro_batches_are_balanced_and_trimmed_per_micro_batch():
 
     items = [SequenceItem([1, 2], [3] * (2 if i < 5 else 9)) for i in range(10)]
     batch = build_batch(items, 0)
-    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8),
+    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8, max_tokens_per_microbatch=None),
                                                parallel=SimpleNamespace(pipeline_model_parallel_size=1)),
                            student=SimpleNamespace(seq_multiple=1))
     parts = Learner.micro_batches(fake, batch, list(range(10)))
@@ -468,3 +468,25 @@ def test_micro_batches_are_balanced_and_trimmed_per_micro_batch():
     parts = Learner.micro_batches(fake, batch, list(range(7)))  # 7 rows at 4: 4 + 3, the second padded to 4
     assert [p.batch_size for p in parts] == [4, 4] and int(parts[1].response_mask[3].sum()) == 0
     assert {p.tokens.shape[1] for p in parts} == {11}
+
+
+def test_token_budget_groups_rows_by_length():
+    """Dynamic batching: rows grouped longest first under a padded-token budget; every row exactly once;
+    under PP>1 one shape for all (as many rows as the budget allows at the longest row)."""
+    from megatron_opd.trainer.batch import SequenceItem, budget_groups, budget_micro_batches, build_batch, row_lengths
+
+    lens = [30, 5, 6, 29, 7, 50, 4, 8]
+    items = [SequenceItem([1, 2], [3] * (n - 2)) for n in lens]
+    batch = build_batch(items, 0)
+    assert row_lengths(batch) == lens
+    groups = budget_groups(lens, list(range(8)), 60)
+    assert groups == [[5], [0, 3], [1, 2, 4, 6, 7]]  # 50 | 30+29 -> 2 x 30 | 8,7,6,5,4 -> 5 x 8 = 40
+    assert all(len(g) * max(lens[r] for r in g) <= 60 for g in groups)
+    assert budget_groups(lens, list(range(8)), 8) == [[5], [0], [3], [7], [4], [2], [1], [6]]  # each alone
+    assert budget_groups(lens, [1, 6], 60, seq_multiple=16) == [[1, 6]]  # 2 x 16
+    parts = budget_micro_batches(batch, list(range(8)), 60)
+    assert [p.source_rows.tolist() for p in parts] == groups
+    assert [tuple(p.tokens.shape) for p in parts] == [(1, 50), (2, 30), (5, 8)]
+    assert sum(int(p.response_mask.sum()) for p in parts) == int(batch.response_mask.sum())
+    pp = budget_micro_batches(batch, list(range(8)), 120, own_length=False)  # 120 // 50 = 2 rows each
+    assert [p.batch_size for p in pp] == [2] * 4 and {p.tokens.shape[1] for p in pp} == {50}

@@ -130,22 +130,28 @@ def test_nonfinite_loss_or_grad_skips_the_update_and_is_counted(setup, tmp_path)
         trainer.close()
 
 
-@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "token_mean+adv_normalize"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_sum_const", "token_mean+adv_normalize"])
 def test_micro_batches_accumulate_to_the_whole_minibatch(setup, tmp_path, mode):
-    """train.micro_batch_size only changes memory: losses, gradient norm and weights match one micro-batch
+    """train.micro_batch_size and dynamic batching (train.max_tokens_per_microbatch: micro-batches of
+    different sizes, formed by length, for training and for the student, reference and teacher scoring)
+    only change memory and speed: losses, gradient norm and weights match one micro-batch per minibatch
     (with adv_normalize too: whitening uses whole-minibatch statistics, not per-micro-batch ones)."""
     mode, _, flag = mode.partition("+")
     extra = [f"algo.{flag}=true"] if flag else []
     runs = {}
-    for mbs in (1, 8):
-        out = tmp_path / f"mbs{mbs}"
-        _train(_cfg(setup, out, "stable_opd", 2, "teacher.backend=megatron", f"train.micro_batch_size={mbs}",
+    for name, batching in (("mbs1", ["train.micro_batch_size=1"]), ("mbs8", ["train.micro_batch_size=8"]),
+                           ("budget", ["train.micro_batch_size=8", "train.max_tokens_per_microbatch=400"])):
+        out = tmp_path / name
+        _train(_cfg(setup, out, "stable_opd", 2, "teacher.backend=megatron", *batching,
                     f"algo.loss_agg_mode={mode}", "checkpoint.save_every=2", *extra))
-        runs[mbs] = read_metrics(out)
-    for r1, r8 in zip(runs[1], runs[8]):
+        runs[name] = read_metrics(out)
+    for r1, r8, rb in zip(runs["mbs1"], runs["mbs8"], runs["budget"]):
         for key in ("loss/total_loss", "loss/pg_loss", "loss/kl", "loss/golden_loss", "loss/grad_norm",
-                    "rollout/response_len_mean"):
+                    "rollout/response_len_mean", "logp/teacher_mean", "logp/ref_mean"):
             assert r1[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (r1["step"], key)
+            assert rb[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (rb["step"], key, "dynamic batching")
+        # 5 rows of 186-193 tokens: 400 tokens hold two of them (groups of 2, 2, 1); one micro-batch pads to 193
+        assert 0 <= rb["batch/padding_fraction"] < r8["batch/padding_fraction"] < 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -181,8 +187,8 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
     try:
         seen, real = [], trainer.teacher_policy.score
         monkeypatch.setattr(trainer.teacher_policy, "score",
-                            lambda batch, micro_batch_size: seen.append(micro_batch_size) or real(
-                                batch, micro_batch_size=micro_batch_size))
+                            lambda batch, micro_batch_size, max_tokens=None: seen.append(micro_batch_size) or real(
+                                batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens))
         trainer.train()
         assert seen == [1]
     finally:

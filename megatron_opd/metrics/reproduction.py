@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_opd.config import ConfigError, read_yaml_mapping
-from megatron_opd.trainer.logger import read_metrics
+from megatron_opd.metrics.runlog import read_metrics
 
 START_STEPS = 5
 B_MAX, START_REP_MAX = 0.3, 0.05

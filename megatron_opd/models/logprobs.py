@@ -343,7 +343,8 @@ def forward_backward(
 ) -> list[dict]:
     """Run megatron's pipeline schedule (``get_forward_backward_func``) over ``microbatches``.
 
-    Each microbatch is a dict with ``input_ids`` [b, S] (every microbatch the same b), optional
+    Each microbatch is a dict with ``input_ids`` [b, S] (with pipeline parallelism every microbatch the
+    same b; without, megatron's schedule ignores the shape, so sizes may differ: dynamic batching), optional
     ``position_ids`` / ``attention_mask``, and whatever ``loss_fn`` needs; every rank of a TP/PP group
     passes the same list. On the last stage ``loss_fn(logits [b, S, V/tp], microbatch)`` returns
     ``(scalar loss, dict of tensors to report)``; megatron averages the loss over microbatches before
@@ -357,10 +358,11 @@ def forward_backward(
     if not microbatches:
         raise ValueError("microbatches: empty")
     b, s = microbatches[0]["input_ids"].shape
+    pipelined = (layout.pp if layout is not None else parallel_state.get_pipeline_model_parallel_world_size()) > 1
     for i, mb in enumerate(microbatches):
-        if mb["input_ids"].shape[0] != b:
+        if pipelined and mb["input_ids"].shape[0] != b:
             raise ValueError(f"microbatches[{i}].input_ids: batch {mb['input_ids'].shape[0]} != {b} "
-                             "(megatron's schedule needs one micro-batch size)")
+                             "(megatron's pipeline schedule needs one micro-batch size)")
 
     def forward_step(data_iterator: Iterator[dict], mdl: torch.nn.Module):
         mb = next(data_iterator)

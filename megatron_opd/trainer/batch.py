@@ -172,6 +172,52 @@ def gather_response(per_position: torch.Tensor, batch: TrainBatch) -> torch.Tens
     return out * batch.response_mask.unsqueeze(-1)
 
 
+def row_lengths(batch: TrainBatch) -> list[int]:
+    """Each row's real sequence length (prompt + response; what `select` trims to), 2 for a row without
+    response tokens (it needs no logits)."""
+    mask = batch.response_mask
+    last = torch.where(mask, batch.response_index, torch.full_like(batch.response_index, -1)).max(dim=1).values
+    return [max(int(v) + 2, 2) for v in last]
+
+
+def budget_groups(lengths: list[int], rows: list[int], max_tokens: int, seq_multiple: int = 1) -> list[list[int]]:
+    """`rows` grouped by length so that each group's padded size (rows x its longest row, rounded up to
+    `seq_multiple`) stays within `max_tokens`: longest rows first, a group closed when the next row would
+    overflow it. A row longer than the budget on its own is a group of one. Each group in `rows` order."""
+    order = {r: i for i, r in enumerate(rows)}
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for r in sorted(rows, key=lambda r: (-lengths[r], order[r])):
+        grown = round_up(max(longest, lengths[r]), seq_multiple) * (len(cur) + 1)
+        if cur and grown > max_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(r)
+        longest = max(longest, lengths[r])
+    if cur:
+        groups.append(cur)
+    return [sorted(g, key=order.__getitem__) for g in groups]
+
+
+def budget_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, seq_multiple: int = 1,
+                         own_length: bool = True) -> list[TrainBatch]:
+    """Dynamic batching: `rows` as micro-batches of at most `max_tokens` padded tokens. With `own_length`
+    (PP=1: megatron's schedule without pipelining takes micro-batches of any size) the groups of
+    `budget_groups`, each trimmed to its own length; under PP>1 (one shape for every micro-batch) as many
+    rows per micro-batch as the budget allows at the longest row (`split_micro_batches`)."""
+    lengths = row_lengths(batch)
+    if not own_length:
+        longest = round_up(max(lengths[r] for r in rows), seq_multiple)
+        return split_micro_batches(batch, rows, max(1, max_tokens // longest), seq_multiple, own_length=False)
+    parts = []
+    for group in budget_groups(lengths, rows, max_tokens, seq_multiple):
+        part = batch.select(group)
+        part.source_rows = torch.as_tensor(group, dtype=torch.long)
+        parts.append(pad_batch(part, len(group), round_up(part.tokens.shape[1], seq_multiple)))
+    return parts
+
+
 def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: int, seq_multiple: int = 1,
                         own_length: bool = True) -> list[TrainBatch]:
     """Split `rows` of `batch` into the fewest micro-batches of at most `micro_batch_size` rows, balanced

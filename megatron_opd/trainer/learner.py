@@ -17,7 +17,7 @@ from megatron_opd.algo.advantages import compute_advantages, whitening_stats
 from megatron_opd.algo.objective import stable_opd_loss, term_masks
 from megatron_opd.config import Config
 from megatron_opd.models.parallel import host_group
-from megatron_opd.trainer.batch import TrainBatch, split_micro_batches
+from megatron_opd.trainer.batch import TrainBatch, budget_micro_batches, row_lengths, split_micro_batches
 from megatron_opd.trainer.mixture import spread_rows
 from megatron_opd.trainer.policy import MegatronPolicy
 
@@ -26,6 +26,7 @@ class Learner:
     def __init__(self, cfg: Config, student: MegatronPolicy, *, dp_size: int, is_last_stage: bool):
         self.cfg, self.student, self.dp_size, self.is_last_stage = cfg, student, dp_size, is_last_stage
         self._derived: dict[str, torch.Tensor] = {}
+        self.tokens = (0, 0)  # (real, padded) tokens of the last update's training micro-batches
 
     # -- pi_old ------------------------------------------------------------------------------------
 
@@ -59,7 +60,9 @@ class Learner:
                          for k, on in (("old_logp", reuse), ("ref_logp", full_kl_ref)) if on}
         if off_policy:
             return self.off_policy_old_logp(batch)
-        return None if reuse else self.student.score(batch, micro_batch_size=self.cfg.train.micro_batch_size)[0]
+        train = self.cfg.train
+        return None if reuse else self.student.score(batch, micro_batch_size=train.micro_batch_size,
+                                                     max_tokens=train.max_tokens_per_microbatch)[0]
 
     def set_old_logp(self, batch: TrainBatch, old_logp: Optional[torch.Tensor]) -> None:
         """pi_old into the batch; stages before the last only run the model body (the loss lives on the
@@ -82,20 +85,29 @@ class Learner:
         per-minibatch loss statistics. The full KL recomputes the reference logits in every epoch."""
         full_kl = beta_kl > 0 and self.cfg.algo.kl_estimator == "full"
         stats: list[dict[str, float]] = []
+        lengths, real, padded = row_lengths(batch), 0, 0
         for _epoch in range(self.cfg.algo.ppo_epochs):
             for rows in self.minibatches(batch):
                 micro = self.micro_batches(batch, rows)
+                real += sum(lengths[r] for r in rows)
+                padded += sum(m.tokens.numel() for m in micro)
                 loss_fn, want_logits = self.loss_fn(batch.select(rows), beta_kl, len(micro))
                 source = self.ref_logits_source(ref, micro) if full_kl else None
                 stats.append(self.student.train_minibatch(micro, loss_fn, want_logits, ref_logits=source))
         if self.is_last_stage:
             batch.extras.update(self._derived)
         self._derived = {}
+        self.tokens = (real, padded)
         return stats
 
     def micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[TrainBatch]:
+        """train.micro_batch_size rows each, or by length up to train.max_tokens_per_microbatch tokens."""
+        own_length = self.cfg.parallel.pipeline_model_parallel_size == 1
+        budget = self.cfg.train.max_tokens_per_microbatch
+        if budget:
+            return budget_micro_batches(batch, rows, budget, self.student.seq_multiple, own_length=own_length)
         return split_micro_batches(batch, rows, self.cfg.train.micro_batch_size, self.student.seq_multiple,
-                                   own_length=self.cfg.parallel.pipeline_model_parallel_size == 1)
+                                   own_length=own_length)
 
     def ref_logits_source(self, ref: MegatronPolicy, micro: list[TrainBatch]) -> Optional[Callable]:
         """Reference logits for full-vocabulary KL, one micro-batch at a time (docs/scaling.md).

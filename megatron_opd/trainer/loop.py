@@ -148,7 +148,7 @@ class Trainer:
         t_sync = time.time() - t3 - t_wait
 
         metrics = step_metrics(batch, payload, train_stats, reports=self.reports_metrics, rank=self.rank,
-                               off_policy=off_policy, config=cfg.train.health)
+                               off_policy=off_policy, config=cfg.train.health, tokens=self.learner.tokens)
         metrics.update({"time/rollout_s": t_rollout, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         "time/sync_s": t_sync, "time/rollout_wait_s": t_wait,
                         "rollout/staleness": float(self.weight_version - 1 - payload.get("weight_version", 0)),

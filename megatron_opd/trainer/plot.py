@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from megatron_opd.trainer.logger import read_metrics
+from megatron_opd.metrics.runlog import read_metrics
 
 ADV_PANEL = "adv/repetitive_vs_other"  # two lines per run: adv/repetitive_mean dashed, adv/other_mean solid
 PANELS = [

@@ -22,7 +22,8 @@ from megatron_opd.models.optimizer import grads_finite, optimizer_step, setup_tr
 from megatron_opd.models.parallel import host_group
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
 from megatron_opd.teacher.megatron import vocab_parallel_topk
-from megatron_opd.trainer.batch import TrainBatch, pad_batch, round_up, seq_len_multiple
+from megatron_opd.trainer.batch import (TrainBatch, budget_groups, pad_batch, round_up, row_lengths,
+                                        seq_len_multiple)
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -188,10 +189,12 @@ class MegatronPolicy:
     # -- operations ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8
-              ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8,
+              max_tokens: Optional[int] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(logp [B, T] fp32 on the CPU, response logits [N, V/tp] or None) on the last stage; (None, None)
-        elsewhere.
+        elsewhere. Forwards of `micro_batch_size` rows, or (`max_tokens`, without `want_logits`) of rows
+        grouped by length up to that many padded tokens (`batch.budget_groups`; one forward per group, so
+        any group size works under pipeline parallelism too).
 
         Memory: `want_logits` keeps [N, V/tp] (`response_logits`: the model's dtype, fp32 at T != 1) for
         all N response tokens of `batch`; the trainer asks for it per micro-batch (`response_logits_for`),
@@ -200,9 +203,14 @@ class MegatronPolicy:
         self.model.eval()
         logps: list[torch.Tensor] = []
         logits_out: list[torch.Tensor] = []
+        B = batch.batch_size
+        if max_tokens and not want_logits:
+            groups = budget_groups(row_lengths(batch), list(range(B)), max_tokens, self.seq_multiple)
+        else:
+            groups = [list(range(s, min(B, s + micro_batch_size))) for s in range(0, B, micro_batch_size)]
         try:
-            for start in range(0, batch.batch_size, micro_batch_size):
-                mb = batch.select(list(range(start, min(batch.batch_size, start + micro_batch_size))))
+            for group in groups:
+                mb = batch.select(group)
                 mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
 
                 def loss_fn(logits: torch.Tensor, mbd: dict):
@@ -217,7 +225,11 @@ class MegatronPolicy:
             self.model.train(was_training)
         if not self.is_last_stage:
             return None, None
-        return torch.cat(logps, 0), (torch.cat(logits_out, 0) if want_logits else None)
+        logp = torch.cat(logps, 0)
+        order = torch.as_tensor([r for g in groups for r in g], dtype=torch.long)
+        if not torch.equal(order, torch.arange(B)):  # length-grouped: back to the batch's row order
+            logp = torch.empty_like(logp).index_copy_(0, order, logp)
+        return logp, (torch.cat(logits_out, 0) if want_logits else None)
 
     @torch.no_grad()
     def micro_response_logits(self, batch: TrainBatch) -> torch.Tensor:

@@ -288,14 +288,16 @@ class Scorer:
         if self.teacher_policy is not None:
             with self._teacher_weights():
                 batch.extras["teacher_logp"], _ = self.teacher_policy.score(
-                    batch, micro_batch_size=self.teacher_micro_batch_size())
+                    batch, micro_batch_size=self.teacher_micro_batch_size(),
+                    max_tokens=self.cfg.train.max_tokens_per_microbatch)
                 if self.wants_gold_topk and bool(batch.is_golden.any()):
                     ids, lps = self.teacher_policy.score_topk(
                         batch, self.cfg.teacher.top_k, batch.is_golden, micro_batch_size=self.teacher_micro_batch_size(),
                         id_limit=self.topk_limit(self.teacher_policy.vocab_size))
                     batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
         if self.ref is not None and with_ref_logp:
-            ref_logp, _ = self.ref.score(batch, micro_batch_size=self.cfg.train.micro_batch_size)
+            ref_logp, _ = self.ref.score(batch, micro_batch_size=self.cfg.train.micro_batch_size,
+                                         max_tokens=self.cfg.train.max_tokens_per_microbatch)
             if ref_logp is not None:
                 batch.extras["ref_logp"] = ref_logp
 

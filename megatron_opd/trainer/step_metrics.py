@@ -79,10 +79,13 @@ def loss_metrics(train_stats: list[dict[str, float]]) -> dict[str, float]:
 
 
 def step_metrics(batch: TrainBatch, payload: dict[str, Any], train_stats: list[dict[str, float]], *,
-                 reports: bool, rank: int, off_policy: bool, config: Optional[HealthConfig]) -> dict[str, float]:
+                 reports: bool, rank: int, off_policy: bool, config: Optional[HealthConfig],
+                 tokens: tuple[int, int] = (0, 0)) -> dict[str, float]:
     """Collective: the step's metrics on rank 0 (and the same numbers on every rank). `off_policy`: pi_old is
-    the engine's own log-probs, so the engine-vs-trainer gap is not measured (it would read 0)."""
-    mine = {"rows": _rows(batch, not off_policy), "loss": loss_metrics(train_stats)} if reports else None
+    the engine's own log-probs, so the engine-vs-trainer gap is not measured (it would read 0). `tokens`:
+    this rank's (real, padded) tokens in its training micro-batches, for `batch/padding_fraction`."""
+    mine = {"rows": _rows(batch, not off_policy), "loss": loss_metrics(train_stats), "tokens": tokens} if reports \
+        else None
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -94,6 +97,9 @@ def step_metrics(batch: TrainBatch, payload: dict[str, Any], train_stats: list[d
         for k in sorted({k for g in reporters for k in g["loss"]}):  # whole-minibatch values on every rank
             vals = [g["loss"][k] for g in reporters if k in g["loss"] and math.isfinite(g["loss"][k])]
             merged[k] = sum(vals) / len(vals) if vals else float("nan")
+        real, padded = (sum(g["tokens"][i] for g in reporters) for i in (0, 1))
+        if padded:  # padded tokens / all tokens the training forwards ran (every epoch and minibatch)
+            merged["batch/padding_fraction"] = 1.0 - real / padded
     if rank == 0:  # text-level metrics over the whole step (every rollout, all DP ranks)
         texts = payload["texts"]
         text_metrics = rollout_health(
