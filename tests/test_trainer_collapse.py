@@ -221,6 +221,37 @@ def test_rollback_restores_the_checkpoint_and_continues_with_fresh_versions(setu
     assert row["train/weight_version"] == 8.0
 
 
+def test_rollback_without_a_checkpoint_restarts_from_the_initial_student(setup, tmp_path):
+    """No checkpoint before the verdict (save_every beyond it): the rollback restores the initial student at
+    step 0 -- model.hf_path's weights and a fresh optimizer -- and re-trains with the raised beta_kl (before:
+    it only raised beta_kl and trained on from the collapsed weights)."""
+    from megatron_opd.models.optimizer import unwrap
+
+    def model_weights(policy):  # a fresh optimizer has no state_dict yet: the model's tensors only
+        return {k: v.clone() for k, v in unwrap(policy.model).state_dict().items() if isinstance(v, torch.Tensor)}
+
+    out = tmp_path / "rb0"
+    t = _trainer(setup, out, "rollback", 3, "checkpoint.save_every=100")
+    initial = model_weights(t.student)
+    seen = {}
+    rollback = t.guard.rollback
+
+    def spy(trainer, target):
+        before = model_weights(trainer.student)
+        rollback(trainer, target)
+        seen.update(target=target, step=trainer.step, before=before, after=model_weights(trainer.student))
+
+    t.guard.rollback = spy
+    _run(t)
+    assert seen["target"] is None and seen["step"] == 0 and t.guard.rollbacks == 1
+    assert any(not torch.equal(seen["before"][k], v) for k, v in initial.items())  # it had trained
+    _assert_same_weights(initial, seen["after"])
+    raw = _raw_rows(out)
+    assert [r["step"] for r in raw] == [1, 2, 1, 2, 3]
+    assert [r["train/beta_kl"] for r in raw] == [0, 0, 0.01, 0.01, 0.01] and raw[-1]["loss/kl"] > 0
+    assert [r["health/collapsed"] for r in raw] == [0, 1, 0, 0, 0] and t.step == 3
+
+
 _DRIVER = """
 import json, sys
 from megatron_opd.config import load_config

@@ -33,7 +33,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
-from megatron.core import parallel_state as ps
 from transformers import AutoModelForCausalLM
 
 from megatron_opd.models.checkpoint import (HF_ASSETS_DIR, CheckpointError, commit_partial, copy_hf_assets,
@@ -43,7 +42,7 @@ from megatron_opd.models.gpt import build_gpt_model
 from megatron_opd.models.hf_config import HFConfigError, transformer_config_from_hf
 from megatron_opd.models.hf_io import (HFDirError, LazySafetensors, config_from_dict, load_hf_config,
                                        write_safetensors_shards)
-from megatron_opd.models.parallel import destroy_parallel, init_parallel
+from megatron_opd.models.parallel import destroy_parallel, init_parallel, model_parallel_coords
 from megatron_opd.models.weight_mapping import (ModelDims, WeightMappingError, check_hf_state_dict,
                                                 hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict)
 
@@ -135,7 +134,8 @@ def _torch_dtype(name: str):
 
 
 def _model_parallel_ranks() -> tuple[int, int]:
-    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    tp_rank, _, pp_rank, _ = model_parallel_coords()
+    return tp_rank, pp_rank
 
 
 def _hf_to_mcore_worker(rank: int, world_size: int, job: dict) -> dict:

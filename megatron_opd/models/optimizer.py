@@ -106,6 +106,16 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int,
     return TrainingSetup(model=ddp, optimizer=opt, scheduler=sched)
 
 
+def restart_optimizer(setup: TrainingSetup, optim: OptimConfig, total_steps: int) -> TrainingSetup:
+    """A new optimizer and scheduler over the same DDP model, as `setup_training` builds them: Adam moments,
+    step counts and the learning-rate schedule back at their start, fp32 main params taken from the model's
+    current weights (a rollback to the initial student)."""
+    cfg = unwrap(setup.model).config
+    opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [setup.model])
+    cfg.grad_scale_func = opt.scale_loss
+    return TrainingSetup(model=setup.model, optimizer=opt, scheduler=build_scheduler(opt, optim, total_steps))
+
+
 def skip_param_gather_on_one_rank(ddp: Any) -> bool:
     """With one data-parallel rank the distributed optimizer's post-step parameter all-gather copies
     the parameter buffer onto itself (this rank's shard is the whole buffer, updated in place). Skip it:

@@ -243,6 +243,17 @@ def tensor_parallel_rank() -> int:
     return parallel_state.get_tensor_model_parallel_rank()
 
 
+def model_parallel_coords() -> tuple[int, int, int, int]:
+    """(tp rank, tp size, pp rank, pp size) of this rank in the student's layout."""
+    ps = parallel_state
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
+
+
+def pipeline_group() -> Optional[dist.ProcessGroup]:
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
 def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -258,4 +269,4 @@ def broadcast_object(obj: Any) -> Any:
 
 __all__ = ["ModelLayout", "broadcast_object", "data_parallel_rank_size", "destroy_parallel", "global_rank", "host_group", "init_parallel",
            "is_pipeline_first_stage", "is_pipeline_last_stage", "layout_rank_grid", "make_layout", "resolve_backend",
-           "tensor_parallel_rank", "tp_group"]
+           "model_parallel_coords", "pipeline_group", "tensor_parallel_rank", "tp_group"]

@@ -12,11 +12,11 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from transformers import AutoConfig
 
 from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
 from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
+from megatron_opd.models.parallel import is_pipeline_last_stage, model_parallel_coords, pipeline_group
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_hf_state_dict, load_megatron_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
@@ -100,10 +100,7 @@ class MegatronTeacher:
         if layout is not None:
             tp_rank, tp_size, pp_rank, pp_size = layout.tp_rank, layout.tp, layout.pp_rank, layout.pp
         else:
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
-            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+            tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
         sd = hf_to_megatron_state_dict(load_hf_state_dict(p), cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                        pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
                                        vocab_padded=model.vocab_size)
@@ -148,7 +145,7 @@ class MegatronTeacher:
         logp = torch.empty(rows, width, dtype=torch.float32, device=device)
         topk_ids = torch.empty(rows, width, K, dtype=torch.long, device=device) if K else None
         topk_lp = torch.empty(rows, width, K, dtype=torch.float32, device=device) if K else None
-        last = lay.is_last_stage if lay is not None else parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        last = lay.is_last_stage if lay is not None else is_pipeline_last_stage()
         if last:
             if len(reports) != len(micro):
                 raise RuntimeError(f"MegatronTeacher: {len(reports)} reports for {len(micro)} micro-batches")
@@ -156,9 +153,9 @@ class MegatronTeacher:
             if K:
                 topk_ids.copy_(torch.cat([r["topk_ids"] for r in reports]))
                 topk_lp.copy_(torch.cat([r["topk_lp"] for r in reports]))
-        pp_size = lay.pp if lay is not None else parallel_state.get_pipeline_model_parallel_world_size()
+        pp_size = lay.pp if lay is not None else model_parallel_coords()[3]
         if pp_size > 1:
-            group = lay.groups.pp if lay is not None else parallel_state.get_pipeline_model_parallel_group()
+            group = lay.groups.pp if lay is not None else pipeline_group()
             src = dist.get_global_rank(group, pp_size - 1)
             for t in (logp, topk_ids, topk_lp):
                 if t is not None:

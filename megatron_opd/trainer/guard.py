@@ -10,8 +10,8 @@ are logged:
                  rollouts) and acts again after that if the collapse goes on.
   rollback       restore the newest checkpoint from before the detector's evidence (its good_step, one
                  step earlier under rollout.overlap, whose rollouts come from the weights one step
-                 older; else the oldest kept one; with none, act as raise_beta_kl) and re-train from it
-                 with the raised beta_kl. Restored:
+                 older; else the oldest kept one; with none, the initial student at step 0 with a fresh
+                 optimizer) and re-train from it with the raised beta_kl. Restored:
                  policy weights and optimizer, step, skipped-step count. Not restored, on purpose: the
                  prompt sampler and the RNGs continue, so the re-trained steps see new prompts rather than
                  replaying the batches that led into the collapse. The weight version keeps increasing
@@ -80,13 +80,9 @@ class Guard:
                 trainer.save()
                 raise TrainingStopped(f"collapse detected at step {trainer.step} after {self.rollbacks} rollback(s) "
                                       f"(train.max_rollbacks={self.cfg.train.max_rollbacks}): {self.reasons}")
-            target = self.rollback_target(trainer)
-            if target is not None:
-                self.rollbacks += 1
-                self.rollback(trainer, target)
-                return True
-            if self.rank == 0:
-                logger.warning("step %d: no checkpoint to roll back to; raising beta_kl instead", trainer.step)
+            self.rollbacks += 1
+            self.rollback(trainer, self.rollback_target(trainer))
+            return True
         trainer.set_beta_kl(raised(trainer.beta_kl))
         self.hold_until = trainer.step + self.cfg.train.collapse.window
         if self.rank == 0:
@@ -101,13 +97,19 @@ class Guard:
         before = [s for s in steps if s <= good]
         return broadcast_object(before[-1] if before else (steps[0] if steps else None))
 
-    def rollback(self, trainer: Any, target: int) -> None:
+    def rollback(self, trainer: Any, target: Optional[int]) -> None:
+        """Restore checkpoint `target` (None: none is older than the collapse -- the initial student)."""
         collapsed_at, beta_at_collapse = trainer.step, trainer.beta_kl
-        step, dropped = trainer.restore(target, rollback=True)
+        if target is None:
+            trainer.restore_initial()
+            step, dropped = 0, []
+        else:
+            step, dropped = trainer.restore(target, rollback=True)
         trainer.set_beta_kl(raised(max(beta_at_collapse, trainer.beta_kl)))
         self.detector.reset(keep_best_accuracy=True)
         self.hold_until = 0
-        trainer.save()  # `latest` -> the rolled-back state, with its raised beta_kl; prunes the newer ones
+        if target is not None:
+            trainer.save()  # `latest` -> the rolled-back state, with its raised beta_kl; prunes the newer ones
         if self.rank == 0:
             logger.warning("step %d: rolled back to the checkpoint of step %d; beta_kl %g -> %g; weight version "
                            "%d; discarded checkpoints %s", collapsed_at, step, beta_at_collapse, trainer.beta_kl,

@@ -243,6 +243,9 @@ class Trainer:
     def restore(self, step: int, rollback: bool) -> tuple[int, list[int]]:
         return state.restore(self, step, rollback)
 
+    def restore_initial(self) -> None:
+        state.restore_initial(self)
+
     def close(self) -> None:
         if getattr(self, "preempt", None) is not None:
             self.preempt.close()

@@ -12,14 +12,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from megatron_opd.config import Config
 from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
 from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
                                           mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
-from megatron_opd.models.optimizer import grads_finite, optimizer_step, setup_training, unwrap, zero_grads
-from megatron_opd.models.parallel import host_group
+from megatron_opd.models.optimizer import (grads_finite, optimizer_step, restart_optimizer, setup_training, unwrap,
+                                           zero_grads)
+from megatron_opd.models.parallel import host_group, is_pipeline_last_stage, model_parallel_coords
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
 from megatron_opd.teacher.megatron import vocab_parallel_topk
 from megatron_opd.trainer.batch import (TrainBatch, budget_groups, pad_batch, round_up, row_lengths,
@@ -58,18 +58,16 @@ class MegatronPolicy:
         model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=self.dtype,
                         fp8=cfg.model.fp8, sequence_parallel=cfg.parallel.sequence_parallel,
                         recompute_activations=cfg.model.recompute_activations)
-        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        tp_size, pp_size = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-        sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
-                                       te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
-        load_megatron_state_dict(model, sd)
+        _load_hf(model, hf_state_dict, hf_config)
+        tp_size = model_parallel_coords()[1]
+        self.total_steps = total_steps
         self.setup = setup_training(model, cfg.optim, total_steps, check_for_nan_in_grad=False) if trainable else None
         self.model = self.setup.model if trainable else model
         self.device = next(model.parameters()).device
         self.select_rows = enable_logit_rows(self.model)
         self.tp_group = default_tp_group()
         self.reduce = vocab_parallel_reduce(self.tp_group)
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.is_last_stage = is_pipeline_last_stage()
         self.vocab_size = int(hf_config.vocab_size)
         # sequence lengths are padded to this (FP8 GEMMs; sequence parallel splits L over TP)
         self.seq_multiple = seq_len_multiple(cfg.model.fp8, tp_size, cfg.parallel.sequence_parallel)
@@ -332,6 +330,15 @@ class MegatronPolicy:
             state["scheduler"] = self.setup.scheduler.state_dict()
         return state
 
+    def reset_to(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
+        """The policy as built from `hf_state_dict` (the initial student): its weights, and a fresh optimizer
+        and scheduler (no Adam moments, step 0 of the schedule) -- what a checkpoint of step 0 would hold."""
+        with torch.no_grad():
+            _load_hf(unwrap(self.model), hf_state_dict, self.hf_config)
+        if self.setup is not None:
+            zero_grads(self.setup)
+            self.setup = restart_optimizer(self.setup, self.cfg.optim, self.total_steps)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing, unexpected = unwrap(self.model).load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -346,6 +353,14 @@ class MegatronPolicy:
                         o.load_parameter_state_from_dp_reshardable(shard)
                 _unshare_adam_step(o)
             self.setup.scheduler.load_state_dict(state["scheduler"])
+
+
+def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> None:
+    """This rank's TP/PP shard of an HF state dict into a GPTModel (THE mapping: models/weight_mapping.py)."""
+    tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
+    sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
+                                   te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
+    load_megatron_state_dict(model, sd)
 
 
 def _param_state(opt: Any) -> Optional[dict]:

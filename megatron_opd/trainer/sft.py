@@ -24,7 +24,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_opd.config import Config, ConfigError, load_config
@@ -32,7 +31,8 @@ from megatron_opd.data.prompts import DataError, load_prompts
 from megatron_opd.data.sampler import PromptSampler
 from megatron_opd.models.checkpoint import CheckpointError, commit_partial, prepare_partial, write_hf_dir
 from megatron_opd.models.hf_config import check_family
-from megatron_opd.models.parallel import host_group, init_parallel
+from megatron_opd.models.parallel import (data_parallel_rank_size, host_group, init_parallel, is_pipeline_last_stage,
+                                          tensor_parallel_rank)
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.batch import SequenceItem, TrainBatch, build_batch, split_micro_batches
 from megatron_opd.trainer.policy import MegatronPolicy
@@ -102,13 +102,13 @@ def run_sft(cfg: Config, out: str | Path, steps: int, batch_size: int, max_respo
         raise ValueError(f"data.train_path={cfg.data.train_path}: no rows with a '{cfg.data.solution_key}' field")
     p = cfg.parallel
     init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.backend, seed=cfg.train.seed)
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    dp_rank, dp_size = data_parallel_rank_size()
     if batch_size % dp_size:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of the data-parallel size {dp_size}")
     tmp = prepare_partial(out, overwrite=overwrite)  # refuse an existing --out before training, not after
-    reports = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    reports = (is_pipeline_last_stage() and tensor_parallel_rank() == 0
                and dp_rank == 0)
-    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    is_last = is_pipeline_last_stage()
     policy = MegatronPolicy(hf_config, load_hf_state_dict(cfg.model.hf_path), cfg, trainable=True, total_steps=steps,
                             temperature=1.0)
     sampler = PromptSampler(records, seed=cfg.train.seed, shuffle=cfg.data.shuffle, batch_size=batch_size)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_opd.models.checkpoint import commit_partial, prepare_partial, write_hf_dir
+from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer.checkpoint import rng_state, set_rng_state
 from megatron_opd.trainer.rollouts import payload_from_state, payload_state
 
@@ -61,6 +62,17 @@ def restore(trainer: Any, step: int, rollback: bool) -> tuple[int, list[int]]:
     if trainer.rank == 0 and not rollback:
         logger.info("resumed from %s at step %d", trainer.ckpt.root, step)
     return step, dropped
+
+
+def restore_initial(trainer: Any) -> None:
+    """Collective: a rollback to step 0 when no checkpoint is older than the collapse: the initial student
+    (model.hf_path) with a fresh optimizer and schedule, step 0, the pending overlapped rollouts dropped.
+    Nothing is saved (a step-0 checkpoint would hold no optimizer state); the next save is the new
+    trajectory's."""
+    trainer.rollouts.drop_next()
+    trainer.student.reset_to(load_hf_state_dict(trainer.cfg.model.hf_path))
+    trainer.step, trainer.skipped_steps = 0, 0
+    trainer.rollouts.push_restored(0)
 
 
 def export_hf(trainer: Any, out: Path) -> Path:
