@@ -1,4 +1,4 @@
-"""`megatron-opd check-reproduction` (metrics/reproduction.py) on synthetic runs: a set that shows inflation
+"""`megatron-opd check-reproduction` (eval/reproduction.py) on synthetic runs: a set that shows inflation
 and its cure passes, and each criterion fails on its own when only its evidence is taken away."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 import yaml
 
-from megatron_opd.metrics.reproduction import check, inflation_onset, load_run, main
+from megatron_opd.eval.reproduction import check, inflation_onset, load_run, main
 
 STEPS, ONSET, BUDGET = 40, 11, 128
 
