@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -42,7 +41,7 @@ from megatron_opd.models.gpt import build_gpt_model
 from megatron_opd.models.hf_config import HFConfigError, transformer_config_from_hf
 from megatron_opd.models.hf_io import (HFDirError, LazySafetensors, config_from_dict, load_hf_config,
                                        write_safetensors_shards)
-from megatron_opd.models.parallel import destroy_parallel, init_parallel, model_parallel_coords
+from megatron_opd.models.parallel import destroy_parallel, free_port, init_parallel, model_parallel_coords
 from megatron_opd.models.weight_mapping import (ModelDims, WeightMappingError, check_hf_state_dict,
                                                 hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict)
 
@@ -56,11 +55,6 @@ class ConvertError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------- launching
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, job: dict, q: Any) -> None:
@@ -80,7 +74,7 @@ def spawn_ranks(fn: Callable, world_size: int, job: dict, timeout_s: float = 360
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, job, q)) for r in range(world_size)]
     for p in procs:
         p.start()

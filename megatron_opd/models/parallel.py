@@ -27,7 +27,8 @@ logger = logging.getLogger("megatron_opd.parallel")
 Backend = Literal["auto", "nccl", "gloo"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a rendezvous or a server bound to 127.0.0.1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,11 +89,11 @@ def init_parallel(
             if "MASTER_PORT" not in os.environ:
                 if world != 1:
                     raise ValueError("MASTER_PORT is not set but WORLD_SIZE > 1 (launch with torchrun)")
-                os.environ["MASTER_PORT"] = str(_free_port())
+                os.environ["MASTER_PORT"] = str(free_port())
         else:
             rank, world = 0, 1
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(backend=be, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes),
@@ -267,6 +268,6 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-__all__ = ["ModelLayout", "broadcast_object", "data_parallel_rank_size", "destroy_parallel", "global_rank", "host_group", "init_parallel",
+__all__ = ["ModelLayout", "broadcast_object", "data_parallel_rank_size", "destroy_parallel", "free_port", "global_rank", "host_group", "init_parallel",
            "is_pipeline_first_stage", "is_pipeline_last_stage", "layout_rank_grid", "make_layout", "resolve_backend",
            "model_parallel_coords", "pipeline_group", "tensor_parallel_rank", "tp_group"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import socket
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -24,7 +23,7 @@ from transformers import AutoConfig
 
 from megatron_opd.config import Config, ConfigError
 from megatron_opd.models.offload import WeightOffloader
-from megatron_opd.models.parallel import make_layout
+from megatron_opd.models.parallel import free_port, make_layout
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.rollout.server import (ServerError, ServerProcess, api_key_from_env, http_json, sglang_cli_args,
@@ -164,9 +163,7 @@ class Scorer:
     def launch_teacher_server(self) -> ServerProcess:
         """teacher.backend=sglang without teacher.server_url: serve teacher.hf_path on a free loopback port,
         with a per-run --api-key (the key of $teacher.api_key_env if set, else a generated one)."""
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         key = api_key_from_env(self.cfg.teacher.api_key_env) or secrets.token_hex(24)
         self.teacher_server = ServerProcess(
             sglang_server_cmd(self.cfg.teacher.hf_path, "127.0.0.1", port,
