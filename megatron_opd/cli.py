@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("megatron_opd.convert.checkpoint", "main", "convert HF <-> megatron-core checkpoints"),
     "demo": ("megatron_opd.demo", "main", "small end-to-end run on this machine"),
     "doctor": ("megatron_opd.doctor", "main", "report what this machine can run"),
+    "probe": ("megatron_opd.eval.probe", "main",
+              "before training: is a student/teacher pair prone to OPD's length inflation?"),
     "check-reproduction": ("megatron_opd.eval.reproduction", "main",
                            "judge runs against the length-inflation criteria (docs/reproduction.md)"),
     "plot": ("megatron_opd.trainer.plot", "main", "render a run's training-dynamics figure"),

@@ -1,0 +1,344 @@
+"""Pair probe: before any training, is this student/teacher pair prone to OPD's length inflation?
+
+Plain OPD inflates when the advantage A_t = log pi_T(y_t) - log pi_S(y_t) pays the student for repeating
+itself and for not stopping (arXiv 2604.08527, section 3): repeated text gets a larger advantage than the
+rest, the teacher's p(EOS) sits below the student's where the student ends, and the loop feeds itself.
+Both are properties of the pair at step 0, measurable from a few dozen student samples:
+
+(a) copies: each finished sample's own last line inserted k = 1..copies times before its EOS; the mean
+    advantage on the inserted tokens against the mean on the sample's original tokens;
+(b) stopping: p_T(EOS) and p_S(EOS) of the student's EOS id at the end of the original and after each copy;
+(c) each model's own samples at the budget: truncation rate, length and zlib-ratio percentiles (the
+    teacher's upper zlib percentile is what a run's repetition threshold is calibrated to).
+
+Scoring goes through the trainer's teacher backends (hf, megatron, SGLang server); the student is scored
+by the same HF code path, so a teacher identical to the student gives exactly zero advantage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from megatron_opd.config import DataConfig, TeacherConfig
+from megatron_opd.data.builtin.arithmetic import make_arithmetic_problems
+from megatron_opd.data.prompts import build_record, encode, load_prompts
+from megatron_opd.metrics.health import text_tail_compression_ratio
+from megatron_opd.models.parallel import init_parallel
+from megatron_opd.rollout.base import Sample, SamplingParams
+from megatron_opd.rollout.local import LocalEngine
+from megatron_opd.rollout.server import api_key_from_env
+from megatron_opd.rollout.sglang_engine import SGLangEngine
+from megatron_opd.teacher import make_teacher
+from megatron_opd.teacher.base import Teacher
+from megatron_opd.teacher.fidelity import check_pair
+from megatron_opd.teacher.hf import HFTeacher
+
+QUANTILES = (0.1, 0.5, 0.9, 0.99)
+
+
+@dataclass
+class CopyRow:
+    """One k: means over the finished samples that have a last line to copy."""
+
+    copies: int
+    adv_inserted: float  # mean A_t over all k inserted copies' tokens
+    adv_last_copy: float  # mean A_t over the k-th copy's tokens alone
+    p_eos_teacher: float  # after the k copies
+    p_eos_student: float
+    adv_eos: float  # mean A on the EOS after the k copies: < 0, the teacher pays the student to keep going
+
+
+@dataclass
+class OwnSamples:
+    """A model's own samples at the budget."""
+
+    n: int
+    truncation: float
+    length: dict[str, float]
+    zlib_ratio: dict[str, float]
+
+
+@dataclass
+class ProbeReport:
+    n_samples: int
+    n_finished: int  # samples that ended with EOS (only these have an EOS to insert copies before)
+    budget: int
+    adv_original: float  # mean A_t over the finished samples' original tokens (EOS excluded)
+    p_eos_teacher: float  # at the end of the original samples
+    p_eos_student: float
+    adv_eos: float  # mean A on the student's EOS at the end of the original samples
+    margin: float  # nats/token: smaller differences do not count for the verdict
+    copies: list[CopyRow]
+    student: OwnSamples
+    teacher: Optional[OwnSamples]
+    verdict: str
+    level: str  # prone | at risk | not prone | none (see verdict())
+    findings: list[str] = field(default_factory=list)
+
+    @property
+    def prone(self) -> bool:
+        return self.level == "prone"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _quantiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {f"p{round(q * 100)}": math.nan for q in QUANTILES}
+    t = torch.tensor(list(values), dtype=torch.float64)
+    return {f"p{round(q * 100)}": float(torch.quantile(t, q)) for q in QUANTILES}
+
+
+def own_samples(samples: list[Sample], tokenizer: Any) -> OwnSamples:
+    """Truncation, length and zlib-ratio percentiles of samples (the same zlib test as the run's health)."""
+    texts = [tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+    return OwnSamples(n=len(samples), truncation=sum(s.truncated for s in samples) / max(1, len(samples)),
+                      length=_quantiles([len(s) for s in samples]),
+                      zlib_ratio=_quantiles([text_tail_compression_ratio(t) for t in texts]))
+
+
+def newline_ids(tokenizer: Any, ids: Sequence[int]) -> set[int]:
+    """The ids among `ids` whose text contains a line break."""
+    return {t for t in set(ids) if "\n" in tokenizer.decode([t])}
+
+
+@dataclass
+class Variant:
+    """A finished response with k copies of its last line inserted before the trailing whitespace + EOS."""
+
+    tokens: list[int]
+    copy_start: int  # first inserted token
+    unit: int  # tokens per copy (separator + line)
+    copies: int
+
+
+def copy_variants(response: list[int], nl: set[int], sep: list[int], max_copies: int) -> Optional[list[Variant]]:
+    """k = 0..max_copies variants of a finished response (its last id is the EOS); None when the body is empty.
+    The unit is the line break before the last line (or `sep` for a one-line response) + the last line."""
+    body, eos = response[:-1], response[-1:]
+    end = len(body)
+    while end > 0 and body[end - 1] in nl:
+        end -= 1
+    if end == 0:
+        return None
+    start = end
+    while start > 0 and body[start - 1] not in nl:
+        start -= 1
+    unit = (body[start - 1:start] if start > 0 else list(sep)) + body[start:end]
+    return [Variant(tokens=body[:end] + unit * k + body[end:] + eos, copy_start=end, unit=len(unit), copies=k)
+            for k in range(max_copies + 1)]
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else math.nan
+
+
+def measure_copies(samples: list[Sample], student: Teacher, teacher: Teacher, nl: set[int], sep: list[int],
+                   max_copies: int) -> tuple[dict[str, float], list[CopyRow], int]:
+    """(a) and (b) over the finished samples -> ({adv_original, p_eos_teacher, p_eos_student, adv_eos} at the
+    end of the originals, one row per k, the number of finished samples measured)."""
+    variants = [v for s in samples if not s.truncated
+                for v in (copy_variants(list(s.response_ids), nl, sep, max_copies) or [])]
+    prompts = [s.prompt_ids for s in samples if not s.truncated
+               for _ in range(max_copies + 1) if copy_variants(list(s.response_ids), nl, sep, 0)]
+    if not variants:
+        return dict.fromkeys(("adv_original", "p_eos_teacher", "p_eos_student", "adv_eos"), math.nan), [], 0
+    seqs = [v.tokens for v in variants]
+    lp_s = [x.logprobs for x in student.score(prompts, seqs)]
+    lp_t = [x.logprobs for x in teacher.score(prompts, seqs)]
+    adv_orig, eos_t, eos_s, eos_a = [], [], [], []
+    per_k: dict[int, dict[str, list[float]]] = {k: {"ins": [], "last": [], "t": [], "s": [], "a": []}
+                                               for k in range(1, max_copies + 1)}
+    for v, ls, lt in zip(variants, lp_s, lp_t):
+        a = lt - ls
+        if v.copies == 0:
+            adv_orig.append(float(a[:-1].mean()))
+            eos_t.append(float(lt[-1].exp()))
+            eos_s.append(float(ls[-1].exp()))
+            eos_a.append(float(a[-1]))
+            continue
+        row = per_k[v.copies]
+        hi = v.copy_start + v.copies * v.unit
+        row["ins"].append(float(a[v.copy_start:hi].mean()))
+        row["last"].append(float(a[hi - v.unit:hi].mean()))
+        row["t"].append(float(lt[-1].exp()))
+        row["s"].append(float(ls[-1].exp()))
+        row["a"].append(float(a[-1]))
+    rows = [CopyRow(copies=k, adv_inserted=_mean(r["ins"]), adv_last_copy=_mean(r["last"]),
+                    p_eos_teacher=_mean(r["t"]), p_eos_student=_mean(r["s"]), adv_eos=_mean(r["a"]))
+            for k, r in per_k.items()]
+    end = {"adv_original": _mean(adv_orig), "p_eos_teacher": _mean(eos_t), "p_eos_student": _mean(eos_s),
+           "adv_eos": _mean(eos_a)}
+    return end, rows, len(adv_orig)
+
+
+def verdict(adv_original: float, adv_eos: float, rows: list[CopyRow], margin: float = 0.1) -> tuple[str, str]:
+    """(level, one line). "prone": every k's copies get a positive advantage above `margin` (each copy is
+    reinforced) and, besides, either that grows with each copy or the student's EOS gets an advantage below
+    -margin where it stops (the teacher pays it to keep going). "at risk": the copies beat the original tokens by
+    the margin but are still paid less than nothing; the loop closes only if training lifts the whole level
+    (the demo's 2-step burst: -0.47 on repeats vs -1.09). Otherwise "not prone"."""
+    if not rows or math.isnan(adv_original):
+        return "none", "no verdict: no finished sample with a line to copy (raise --budget or --n)"
+    gaps = [r.adv_inserted - adv_original for r in rows]
+    growing = all(b.adv_last_copy > a.adv_last_copy for a, b in zip(rows, rows[1:]))
+    why = (f"copies get {rows[0].adv_inserted:+.3g} (k=1) .. {rows[-1].adv_inserted:+.3g} (k={rows[-1].copies}) "
+           f"nats/token, the original tokens {adv_original:+.3g}, {'growing' if growing else 'not growing'} with "
+           f"each copy; the student's EOS gets {adv_eos:+.3g} where it stops (margin {margin:g})")
+    if all(r.adv_inserted > margin for r in rows) and (growing or adv_eos < -margin):
+        return "prone", f"PRONE to length inflation: {why}"
+    if all(g > margin for g in gaps):
+        return "at risk", f"AT RISK: the teacher prefers the copies to the original tokens but pays them < 0; {why}"
+    return "not prone", f"not prone: {why}"
+
+
+def probe(student_engine: LocalEngine, student_scorer: Teacher, teacher: Teacher, tokenizer: Any,
+          prompts: list[list[int]], *, n: int = 32, budget: int = 256, copies: int = 4, temperature: float = 1.0,
+          seed: int = 0, margin: float = 0.1, teacher_engine: Any = None) -> ProbeReport:
+    """Sample n student responses at the budget (cycling over `prompts`) and measure (a)-(c)."""
+    if n < 1 or budget < 1 or copies < 1:
+        raise ValueError(f"probe: n, budget and copies must be >= 1 (got {n}, {budget}, {copies})")
+    if not prompts:
+        raise ValueError("probe: no prompts")
+    picked = [prompts[i % len(prompts)] for i in range(n)]
+    sp = SamplingParams(max_new_tokens=budget, temperature=temperature, n=1, seed=seed)
+    samples = student_engine.generate(picked, sp)
+    ids = [t for s in samples for t in s.response_ids]
+    sep = encode(tokenizer, "\n", add_special_tokens=False)
+    end, rows, finished = measure_copies(samples, student_scorer, teacher,
+                                         newline_ids(tokenizer, ids) | set(sep[-1:]), sep, copies)
+    level, line = verdict(end["adv_original"], end["adv_eos"], rows, margin)
+    findings = []
+    student_eos = set(student_engine.eos_token_ids)
+    if not student_eos & set(getattr(teacher, "eos_token_ids", student_eos)):
+        findings.append(f"EOS disagreement: the student stops on {sorted(student_eos)}, the teacher ends with "
+                        f"{sorted(teacher.eos_token_ids)}; (b) is the teacher's p of the student's id")
+    theirs = own_samples(teacher_engine.generate(picked, sp), tokenizer) if teacher_engine is not None else None
+    return ProbeReport(n_samples=len(samples), n_finished=finished, budget=budget, **end, margin=margin, copies=rows, student=own_samples(samples, tokenizer),
+                       teacher=theirs, verdict=line, level=level, findings=findings)
+
+
+def render(r: ProbeReport) -> str:
+    out = [f"{r.n_samples} student samples at a {r.budget}-token budget, {r.n_finished} finished (ended with EOS)",
+           "", "(a, b) k copies of the last line before EOS   mean A on copies   on the k-th copy   "
+           "p_T(EOS)   p_S(EOS)   A on EOS",
+           f"  k=0 (the original tokens)                 {r.adv_original:16.4g}   {'':16s}   "
+           f"{r.p_eos_teacher:8.3g}   {r.p_eos_student:8.3g}   {r.adv_eos:8.3g}"]
+    for c in r.copies:
+        out.append(f"  k={c.copies}                                       {c.adv_inserted:16.4g}   "
+                   f"{c.adv_last_copy:16.4g}   {c.p_eos_teacher:8.3g}   {c.p_eos_student:8.3g}   {c.adv_eos:8.3g}")
+    out += ["", "(c) own samples   truncation   length p10/p50/p90/p99         zlib ratio p10/p50/p90/p99"]
+    for name, o in (("student", r.student), ("teacher", r.teacher)):
+        if o is None:
+            out.append(f"  {name:8s}        (not sampled)")
+            continue
+        q = "/".join(f"{v:.0f}" for v in o.length.values())
+        z = "/".join(f"{v:.2f}" for v in o.zlib_ratio.values())
+        out.append(f"  {name:8s} {o.truncation:12.3f}   {q:30s}   {z}")
+    if r.teacher is not None:
+        out.append(f"  a run's repetition threshold from the teacher's p99: train.health.text_threshold="
+                   f"{r.teacher.zlib_ratio['p99']:.2f}")
+    out += [f"note: {f}" for f in r.findings]
+    out += ["", f"verdict: {r.verdict}"]
+    return "\n".join(out)
+
+
+def load_probe_prompts(path: Optional[str], tokenizer: Any, limit: int, use_chat: bool) -> list[list[int]]:
+    """Prompt ids from a JSONL/Parquet/HF-dir file (the trainer's data.prompt_key and template), or the builtin
+    arithmetic problems."""
+    cfg = DataConfig(apply_chat_template=use_chat)
+    if path is None:
+        return [build_record(r, f"builtin:{i}", cfg, tokenizer, require_answer=False).prompt_ids
+                for i, r in enumerate(make_arithmetic_problems(limit, seed=0))]
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--prompts {path}: not found")
+    return [rec.prompt_ids for rec in load_prompts(path, cfg, tokenizer, require_answer=False, limit=limit)]
+
+
+def _teacher(args: argparse.Namespace, student_eos: list[int]) -> tuple[Teacher, Any]:
+    """(scorer, engine for its own samples or None) for --teacher-backend."""
+    if args.teacher_backend == "hf":
+        scorer = HFTeacher.from_pretrained(args.teacher)
+        return scorer, (LocalEngine(scorer.model) if args.teacher_samples else None)
+    if args.teacher_backend == "megatron":
+        init_parallel(1, 1, backend="gloo" if not torch.cuda.is_available() else "auto", seed=args.seed)
+        scorer = make_teacher(TeacherConfig(backend="megatron", hf_path=args.teacher))
+        return scorer, (LocalEngine.from_pretrained(args.teacher) if args.teacher_samples else None)
+    if not args.teacher_url:
+        raise ValueError("--teacher-backend sglang: --teacher-url is required (a running SGLang server)")
+    scorer = make_teacher(TeacherConfig(backend="sglang", hf_path=args.teacher, server_url=args.teacher_url,
+                                        api_key_env=args.api_key_env), eos_token_ids=None)
+    engine = None
+    if args.teacher_samples:
+        engine = SGLangEngine(args.teacher, mode="server", server_url=args.teacher_url,
+                              api_key=api_key_from_env(args.api_key_env))
+    return scorer, engine
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="megatron-opd probe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--student", required=True, help="student HF directory")
+    p.add_argument("--teacher", required=True,
+                   help="teacher HF directory (with --teacher-backend sglang: its tokenizer and config files)")
+    p.add_argument("--prompts", default=None, help="JSONL / Parquet / HF dataset dir with a 'problem' field "
+                                                    "(default: the builtin arithmetic problems)")
+    p.add_argument("--n", type=int, default=32, help="student samples (prompts are cycled)")
+    p.add_argument("--budget", type=int, default=256, help="max new tokens per sample (the run's budget)")
+    p.add_argument("--copies", type=int, default=4, help="largest k of (a) and (b)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--margin", type=float, default=0.1,
+                   help="nats/token: advantage differences smaller than this do not count for the verdict")
+    p.add_argument("--teacher-backend", choices=("hf", "megatron", "sglang"), default="hf")
+    p.add_argument("--teacher-url", default=None, help="--teacher-backend sglang: the server's URL")
+    p.add_argument("--api-key-env", default="SGLANG_API_KEY", help="env var holding the server's API key")
+    p.add_argument("--no-teacher-samples", dest="teacher_samples", action="store_false",
+                   help="skip (c) for the teacher (its own samples)")
+    p.add_argument("--no-chat-template", action="store_true", help="the run feeds raw prompts (no chat template)")
+    p.add_argument("--preflight", choices=("error", "warn"), default="error",
+                   help="the pair checks of doctor --pair: error stops on a mismatch, warn prints it and probes "
+                        "anyway (an EOS-disagreement pair)")
+    p.add_argument("--json", default=None, help="write the report here as JSON")
+    args = p.parse_args(argv)
+    for role, path in (("--student", args.student), ("--teacher", args.teacher)):
+        if not Path(path).is_dir():
+            print(f"megatron-opd probe: {role} {path}: not found (expected an HF model directory)", file=sys.stderr)
+            return 2
+    try:
+        pair = check_pair(args.student, args.teacher, chat_template=not args.no_chat_template)
+        if pair.errors:
+            print(f"student {args.student}\nteacher {args.teacher}\n{pair.render()}\n\n{len(pair.errors)} "
+                  "problem(s) (the checks of doctor --pair): the teacher would score mismatched tokens"
+                  + ("; probing anyway (--preflight warn)" if args.preflight == "warn" else ""), file=sys.stderr)
+            if args.preflight == "error":
+                return 1
+        torch.manual_seed(args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(args.student)
+        prompts = load_probe_prompts(args.prompts, tokenizer, args.n, use_chat=not args.no_chat_template)
+        engine = LocalEngine.from_pretrained(args.student)
+        scorer = HFTeacher(engine.model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+        teacher, teacher_engine = _teacher(args, engine.eos_token_ids)
+        report = probe(engine, scorer, teacher, tokenizer, prompts, n=args.n, budget=args.budget,
+                       copies=args.copies, temperature=args.temperature, seed=args.seed, margin=args.margin,
+                       teacher_engine=teacher_engine)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"megatron-opd probe: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"student {args.student}\nteacher {args.teacher} ({args.teacher_backend})\n{render(report)}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"student": args.student, "teacher": args.teacher,
+                                               "teacher_backend": args.teacher_backend, **report.to_json()},
+                                              indent=1, allow_nan=True) + "\n")
+    return 0

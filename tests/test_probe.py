@@ -1,0 +1,163 @@
+"""`megatron-opd probe` (eval/probe.py) on tiny real models: the student samples for real (LocalEngine) and
+both sides are scored by the trainer's teacher backends.
+
+The "known sign" pairs wrap the student's own forward in a teacher that adds a fixed bonus to the token an
+induction rule predicts (the token that followed the previous occurrence of the current one: exactly the
+next token inside a copied line, rarely right in fresh text) and shifts the EOS logit. That construction is
+for this test only: it fixes the sign of (a) and (b) so that the probe's arithmetic and verdict can be
+checked; no run or reproduction uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from megatron_opd.eval.probe import CopyRow, copy_variants, load_probe_prompts, main, probe, verdict
+from megatron_opd.rollout.local import LocalEngine
+from megatron_opd.teacher.hf import HFTeacher
+from tests._tiny import tiny_setup
+
+N, BUDGET = 16, 96
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    _, student, teacher, data = tiny_setup(tmp_path_factory.mktemp("probe"), n_train=8, n_eval=2)
+    return student, teacher
+
+
+@pytest.fixture(scope="module")
+def parts(pair):
+    student, _ = pair
+    tok = AutoTokenizer.from_pretrained(student)
+    engine = LocalEngine.from_pretrained(student)
+    scorer = HFTeacher(engine.model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+    return tok, engine, scorer, load_probe_prompts(None, tok, N, use_chat=True)
+
+
+class InductionTeacher(torch.nn.Module):
+    """The student's logits + `bonus` on the induction token and + `eos_shift` on EOS (see the module doc)."""
+
+    def __init__(self, base: torch.nn.Module, bonus: float, eos_shift: float, eos_id: int):
+        super().__init__()
+        self.base, self.bonus, self.eos_shift, self.eos_id = base, bonus, eos_shift, eos_id
+        self.config = base.config
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        logits = self.base(input_ids=input_ids, attention_mask=attention_mask).logits.clone()
+        for b, row in enumerate(input_ids.tolist()):
+            last: dict[int, int] = {}
+            for t, tok in enumerate(row):
+                if tok in last and last[tok] + 1 < t + 1:
+                    logits[b, t, row[last[tok] + 1]] += self.bonus
+                last[tok] = t
+        logits[..., self.eos_id] += self.eos_shift
+        return SimpleNamespace(logits=logits)
+
+
+def test_copy_variants_insert_the_last_line_before_trailing_breaks_and_eos():
+    NL, EOS = 10, 2
+    (v0, v1, v2) = copy_variants([5, 6, NL, 7, 8, NL, EOS], {NL}, [NL], 2)
+    assert v0.tokens == [5, 6, NL, 7, 8, NL, EOS]
+    assert v2.tokens == [5, 6, NL, 7, 8, NL, 7, 8, NL, 7, 8, NL, EOS] and (v2.copy_start, v2.unit) == (5, 3)
+    assert v1.tokens[v1.copy_start:v1.copy_start + v1.unit] == [NL, 7, 8]
+    one_line = copy_variants([7, 8, EOS], {NL}, [NL], 1)
+    assert one_line[1].tokens == [7, 8, NL, 7, 8, EOS]
+    assert copy_variants([NL, EOS], {NL}, [NL], 3) is None
+
+
+def test_teacher_equal_to_the_student_gives_zero_advantage_everywhere(parts):
+    tok, engine, scorer, prompts = parts
+    r = probe(engine, scorer, scorer, tok, prompts, n=N, budget=BUDGET, copies=3, seed=3, teacher_engine=engine)
+    assert r.n_finished >= 2, "the tiny student must finish some samples for (a) and (b) to be measured"
+    assert abs(r.adv_original) < 1e-6 and abs(r.adv_eos) < 1e-6
+    assert all(abs(c.adv_inserted) < 1e-6 and abs(c.adv_last_copy) < 1e-6 and abs(c.adv_eos) < 1e-6
+               for c in r.copies)
+    assert r.p_eos_teacher == pytest.approx(r.p_eos_student, abs=1e-7)
+    assert not r.prone and r.verdict.startswith("not prone")
+    assert r.student == r.teacher  # the same engine and seed: the same own samples
+
+
+@pytest.mark.parametrize("bonus,eos_shift,prone", [(3.0, -3.0, True), (-3.0, 3.0, False)])
+def test_a_pair_with_a_known_sign(parts, bonus, eos_shift, prone):
+    tok, engine, scorer, prompts = parts
+    teacher = HFTeacher(InductionTeacher(engine.model, bonus, eos_shift, engine.eos_token_ids[0]),
+                        eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+    r = probe(engine, scorer, teacher, tok, prompts, n=N, budget=BUDGET, copies=3, seed=3)
+    sign = 1 if prone else -1
+    assert all(sign * (c.adv_inserted - r.adv_original) > 0.5 for c in r.copies), (r.adv_original, r.copies)
+    assert sign * r.adv_eos < -1 and sign * (r.p_eos_student - r.p_eos_teacher) > 0
+    assert r.prone is prone and r.verdict.startswith("PRONE" if prone else "not prone")
+    assert r.teacher is None
+
+
+def test_verdict_levels():
+    def rows(adv, *last):
+        return [CopyRow(copies=k + 1, adv_inserted=adv, adv_last_copy=x, p_eos_teacher=0.1, p_eos_student=0.1,
+                        adv_eos=0.0) for k, x in enumerate(last)]
+    assert verdict(-1.0, 0.0, rows(0.5, 0.5, 0.6, 0.7))[0] == "prone"  # paid and growing
+    assert verdict(-1.0, -0.5, rows(0.5, 0.5, 0.5, 0.5))[0] == "prone"  # paid, flat, EOS penalised
+    assert verdict(-1.0, 0.0, rows(0.5, 0.5, 0.5, 0.5))[0] == "at risk"  # paid but neither
+    assert verdict(-1.0, -0.5, rows(-0.4, 0.5, 0.6, 0.7))[0] == "at risk"  # preferred but paid < 0
+    assert verdict(0.45, -0.5, rows(0.5, 0.5, 0.6, 0.7))[0] == "prone"  # the margin is on the copies' own A
+    assert verdict(-0.45, 0.0, rows(-0.4, 0.5, 0.6, 0.7))[0] == "not prone"  # within the margin
+    assert verdict(float("nan"), 0.0, [])[0] == "none"
+
+
+def test_cli_writes_the_table_and_json_and_refuses_bad_pairs(pair, tmp_path, capsys):
+    student, teacher = pair
+    out = tmp_path / "probe.json"
+    assert main(["--student", str(student), "--teacher", str(teacher), "--n", "8", "--budget", "48",
+                 "--copies", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "verdict:" in text and "k=2" in text and "train.health.text_threshold=" in text
+    report = json.loads(out.read_text())
+    assert report["n_samples"] == 8 and report["teacher"]["n"] == 8 and len(report["copies"]) == 2
+    assert report["teacher_backend"] == "hf" and report["level"] in ("prone", "at risk", "not prone", "none")
+
+    assert main(["--student", str(student), "--teacher", str(tmp_path / "nope")]) == 2
+    assert "--teacher" in capsys.readouterr().err
+    bad = Path(shutil.copytree(teacher, tmp_path / "bad"))
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<|pad|>"
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for name in ("config.json", "generation_config.json"):
+        c = json.loads((bad / name).read_text())
+        c["eos_token_id"] = 0
+        (bad / name).write_text(json.dumps(c))
+    assert main(["--student", str(student), "--teacher", str(bad), "--n", "4", "--budget", "16"]) == 1
+    err = capsys.readouterr().err
+    assert "EOS ids differ" in err and "doctor --pair" in err
+    # the EOS-disagreement arm: probed on request, the disagreement named in the report
+    assert main(["--student", str(student), "--teacher", str(bad), "--n", "4", "--budget", "16",
+                 "--preflight", "warn", "--no-teacher-samples"]) == 0
+    assert "EOS disagreement" in capsys.readouterr().out
+    assert main(["--student", str(student), "--teacher", str(teacher), "--prompts", str(tmp_path / "x.jsonl")]) == 2
+    assert "--prompts" in capsys.readouterr().err
+
+
+def test_megatron_teacher_backend_matches_hf(pair, tmp_path):
+    """--teacher-backend megatron (a forward-only GPTModel over gloo, in its own process) scores as HF does."""
+    student, teacher = pair
+    res = {}
+    for backend in ("hf", "megatron"):
+        out = tmp_path / f"{backend}.json"
+        proc = subprocess.run([sys.executable, "-m", "megatron_opd.cli", "probe", "--student", str(student),
+                               "--teacher", str(teacher), "--n", "8", "--budget", "64", "--copies", "2",
+                               "--no-teacher-samples", "--teacher-backend", backend, "--json", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res[backend] = json.loads(out.read_text())
+    assert res["hf"]["n_finished"] == res["megatron"]["n_finished"] > 0
+    assert res["megatron"]["adv_original"] == pytest.approx(res["hf"]["adv_original"], abs=1e-4)
+    for a, b in zip(res["hf"]["copies"], res["megatron"]["copies"]):
+        assert b["adv_inserted"] == pytest.approx(a["adv_inserted"], abs=1e-4)
