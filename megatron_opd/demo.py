@@ -36,6 +36,7 @@ from megatron_opd.metrics.runlog import read_metrics
 from megatron_opd.models.parallel import destroy_parallel
 from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
 from megatron_opd.models.tiny import make_tiny_hf_model
+from megatron_opd.reproduce import SEEDS, reproduce
 from megatron_opd.rollout.base import SamplingParams
 from megatron_opd.rollout.local import LocalEngine
 from megatron_opd.trainer.loop import Trainer
@@ -48,6 +49,8 @@ BENCH_DROPPED_LAYERS = (18, 20, 22, 24)
 # How the demo's teacher is made from the student (part of its cache key: change it, get a new teacher).
 TEACHER_RECIPE = {"problems": 2000, "data_seed": 1, "steps": 20, "batch_size": 16, "lr": 1e-4,
                   "params_dtype": "float32", "micro_batch_size": 16}
+# The reproduction's teacher (docs/reproduction.md): the same SFT on solutions that plan, work and check.
+CHECKED_TEACHER_RECIPE = {**TEACHER_RECIPE, "style": "checked"}
 TINY_TEACHER_RECIPE = {"problems": 64, "data_seed": 1, "steps": 12, "batch_size": 8, "lr": 3e-3,
                        "params_dtype": "float32", "micro_batch_size": 8}
 N_TRAIN, N_EVAL = 200, 48  # the demo's OPD prompts and held-out problems (builtin arithmetic, seed 0)
@@ -75,6 +78,15 @@ def prepare_models(cache: Path, tiny: bool, log: Callable[[str], None] = print) 
     return student, prepare_teacher(student, cache, recipe, log)
 
 
+def prepare_reproduction_pair(cache: Path, tiny: bool, log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """(student, teacher) of `demo --reproduce` (megatron_opd/reproduce.py): the base model fine-tuned on short
+    solutions, and on checked ones."""
+    base = _tiny_models(cache / "tiny")[0] if tiny else export_smollm2(cache / "smollm2-135m-instruct")
+    recipe = TINY_TEACHER_RECIPE if tiny else TEACHER_RECIPE
+    return (prepare_teacher(base, cache, recipe, log),
+            prepare_teacher(base, cache, {**recipe, "style": "checked"}, log))
+
+
 def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str], None] = print) -> Path:
     """The student fine-tuned (`trainer.sft.run_sft`) on worked solutions of `recipe["problems"]` builtin
     arithmetic problems drawn with their own seed, none of them among the demo's held-out problems.
@@ -87,7 +99,8 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
         return out
     _, held_out = builtin_splits(N_TRAIN, N_EVAL, 0)
     avoid = {r["problem"] for r in held_out}
-    rows = [r for r in make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"]) if r["problem"] not in avoid]
+    rows = [r for r in make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"],
+                                                style=recipe.get("style", "short")) if r["problem"] not in avoid]
     data = write_jsonl(rows, cache / f".{out.name}.data.jsonl")
     log(f"[demo] first run: making the teacher -- {recipe['steps']} SFT steps of {recipe['batch_size']} worked "
         f"solutions on {student.name} (megatron-opd sft; cached in {out})")
@@ -245,6 +258,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preset", default="stable_opd", choices=list(COMPARE_PRESETS))
     p.add_argument("--compare", action="store_true",
                    help=f"run {', '.join(COMPARE_PRESETS)} on the same setting; one figure and one table")
+    p.add_argument("--reproduce", action="store_true",
+                   help="the length-inflation reproduction (docs/reproduction.md): the pair probe, then opd, opd_kl "
+                        "and stable_opd on one seed, the checker's verdict, a figure and a table")
+    p.add_argument("--all-seeds", action="store_true", help=f"with --reproduce: every seed ({', '.join(map(str, SEEDS))})")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --reproduce: this seed instead of the first (train.seed and rollout.seed both vary)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default {DEMO_SETTING[0]}; with --compare {COMPARE_SETTING[0]})")
     p.add_argument("--out", default=None,
@@ -261,9 +280,16 @@ def main(argv: list[str]) -> int:
     steps, max_new_tokens = COMPARE_SETTING if args.compare else DEMO_SETTING
     steps = args.steps if args.steps is not None else steps
     t0 = time.time()
-    tag = "compare" if args.compare else args.preset
+    tag = "compare" if args.compare else "reproduce" if args.reproduce else args.preset
     out = Path(args.out or f"runs/demo-{tag}{'-tiny' if args.tiny else ''}")
     cache = Path(args.cache) if args.cache else default_cache_dir()
+    if args.reproduce:
+        if args.compare or args.steps is not None or args.inputs_only:
+            p.error("--reproduce runs its own setting: no --compare, --steps or --inputs-only")
+        student, teacher = prepare_reproduction_pair(cache, args.tiny, log=lambda m: print(m, flush=True))
+        seeds = SEEDS if args.all_seeds else (args.seed if args.seed is not None else SEEDS[0],)
+        return reproduce(out, student, teacher, args.tiny, seeds, args.overrides, run_preset, compare_table,
+                         N_TRAIN, 8 if args.tiny else N_EVAL)
     print(f"[demo] preparing models in {cache} (the first run converts SmolLM2 from GGUF and fine-tunes the "
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))

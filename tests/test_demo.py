@@ -73,6 +73,37 @@ def test_tiny_demo_compare_runs_every_preset_into_one_figure_and_table(tmp_path:
     assert (out / "dynamics.png").is_file() and "collapse flagged" in capsys.readouterr().out
 
 
+def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    """`demo --reproduce --tiny`: the pair (short-solution student, checked-solution teacher) is made, probed,
+    and each arm runs with the seed's train.seed and rollout.seed and the probe's repetition threshold; the
+    checker's verdict is the exit code (tiny random models cannot show inflation: it fails, and says why)."""
+    import yaml
+
+    from megatron_opd.reproduce import ARMS, ROLLOUT_SEED_BASE, TINY_SETTING
+
+    out, cache = tmp_path / "repro", tmp_path / "cache"
+    rc = demo.main(["--reproduce", "--tiny", "--seed", "5", "--out", str(out), "--cache", str(cache),
+                    "logging.progress_bar=false"])
+    printed = capsys.readouterr().out
+    assert rc == 1 and "reproduction (one seed): FAIL" in printed and "[FAIL] plain OPD inflates" in printed
+    probe = json.loads((out / "probe.json").read_text())
+    assert probe["budget"] == TINY_SETTING["budget"] and probe["teacher"]["n"] == 8
+    student, teacher = Path(probe["student_path"]), Path(probe["teacher_path"])
+    meta_s, meta_t = (json.loads((d / "sft_meta.json").read_text()) for d in (student, teacher))
+    assert "style" not in meta_s["recipe"] and meta_t["recipe"]["style"] == "checked"
+    threshold = max(1.0, probe["teacher"]["zlib_ratio"]["p99"])
+    for arm in ARMS:
+        cfg = yaml.safe_load((out / f"{arm}-seed5" / "config.yaml").read_text())
+        assert (cfg["algo"]["preset"], cfg["train"]["seed"], cfg["rollout"]["seed"]) == (arm, 5, ROLLOUT_SEED_BASE + 5)
+        assert cfg["train"]["health"]["text_threshold"] == pytest.approx(threshold, abs=0.006)
+        rows = [json.loads(l) for l in (out / f"{arm}-seed5" / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["step"] == TINY_SETTING["steps"]
+    assert (out / "reproduction.png").is_file() and (out / "table.md").is_file()
+    with pytest.raises(SystemExit):
+        demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
+
+
 def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> None:
     from megatron_opd.trainer.plot import plot_runs
 

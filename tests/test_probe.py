@@ -11,6 +11,7 @@ checked; no run or reproduction uses it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -149,12 +150,14 @@ def test_megatron_teacher_backend_matches_hf(pair, tmp_path):
     """--teacher-backend megatron (a forward-only GPTModel over gloo, in its own process) scores as HF does."""
     student, teacher = pair
     res = {}
+    # a rendezvous this pytest process may hold (init_parallel exports MASTER_PORT) is not the child's
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
     for backend in ("hf", "megatron"):
         out = tmp_path / f"{backend}.json"
         proc = subprocess.run([sys.executable, "-m", "megatron_opd.cli", "probe", "--student", str(student),
                                "--teacher", str(teacher), "--n", "8", "--budget", "64", "--copies", "2",
                                "--no-teacher-samples", "--teacher-backend", backend, "--json", str(out)],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res[backend] = json.loads(out.read_text())
     assert res["hf"]["n_finished"] == res["megatron"]["n_finished"] > 0

@@ -97,3 +97,15 @@ def test_megatron_opd_cli_has_the_subcommand(tmp_path, capsys):
     assert cli(["check-reproduction", *map(str, dirs)]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] plain OPD inflates" in out and "reproduction: FAIL" in out
+
+
+def test_single_seed_rerun_is_judged_on_its_own_seed(tmp_path, capsys):
+    """`demo --reproduce --seed S` re-runs one seed: its opd run must inflate; the multi-seed form needs >= 2."""
+    one = [_run(tmp_path, "opd", 7), _run(tmp_path, "stable_opd", 7, inflate=False)]
+    assert [v.ok for v in check([load_run(d) for d in one])] == [True, False, True, True]
+    assert main([*map(str, one), "--single-seed"]) == 0
+    assert "reproduction (one seed): PASS" in capsys.readouterr().out
+    calm = _run(tmp_path / "calm", "opd", 8, inflate=False)
+    assert main([str(calm), "--single-seed"]) == 1
+    assert main([*map(str, _set(tmp_path / "three")), "--single-seed"]) == 2
+    assert "--single-seed: 3 opd runs given" in capsys.readouterr().err

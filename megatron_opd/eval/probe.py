@@ -338,7 +338,7 @@ def main(argv: list[str]) -> int:
     print(f"student {args.student}\nteacher {args.teacher} ({args.teacher_backend})\n{render(report)}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"student": args.student, "teacher": args.teacher,
+        Path(args.json).write_text(json.dumps({"student_path": args.student, "teacher_path": args.teacher,
                                                "teacher_backend": args.teacher_backend, **report.to_json()},
                                               indent=1, allow_nan=True) + "\n")
     return 0

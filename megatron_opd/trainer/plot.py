@@ -13,6 +13,9 @@ from typing import Optional
 from megatron_opd.metrics.runlog import read_metrics
 
 ADV_PANEL = "adv/repetitive_vs_other"  # two lines per run: adv/repetitive_mean dashed, adv/other_mean solid
+LOGP_PANEL = "logp/teacher_vs_student"  # two lines per run: logp/teacher_mean solid, logp/student_mean dashed
+PAIRED = {ADV_PANEL: [("adv/other_mean", "-"), ("adv/repetitive_mean", "--")],
+          LOGP_PANEL: [("logp/teacher_mean", "-"), ("logp/student_mean", "--")]}
 PANELS = [
     ("rollout/response_len_mean", "response length (tokens)"),
     ("rollout/truncation_rate", "truncation rate"),
@@ -20,6 +23,8 @@ PANELS = [
     (ADV_PANEL, "advantage: repetitive (--) vs other (-)"),
     ("eval/accuracy", "held-out accuracy"),
 ]
+# the paper's figure layout (arXiv 2604.08527, Fig. 2): the onset shows in every panel at once
+REPRODUCTION_PANELS = PANELS[:4] + [(LOGP_PANEL, "mean log-prob: teacher (-) vs student (--)")] + PANELS[4:]
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path, panels: Optional[list[tuple[str, str]]] = None) -> Path:
@@ -36,7 +41,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, panels: Optional[list
         fired = [r["step"] for r in rows if (r.get("health/collapsed") or 0) > 0]
         label = Path(run).name + (f" (collapse flagged at step {fired[0]})" if fired else "")
         for ax, (key, _) in zip(axes, panels):
-            lines = [("adv/other_mean", "-"), ("adv/repetitive_mean", "--")] if key == ADV_PANEL else [(key, "-")]
+            lines = PAIRED.get(key, [(key, "-")])
             for k, style in lines:
                 pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
                 if pts:

@@ -18,46 +18,67 @@ _NAMES = ["Anna", "Ben", "Carla", "David", "Emma", "Farid", "Grace", "Hugo", "In
 _ITEMS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "coins", "shells", "cards", "toys"]
 
 
-def _add(r: random.Random, name: str, item: str) -> tuple[str, str, int]:
+# Each kind: (problem, one-line work, (plan, check by the inverse operation), answer). The short solution is the
+# work line + the boxed answer (the demo's format); the "checked" one adds the plan before and the check after.
+Kind = tuple[str, str, tuple[str, str], int]
+
+
+def _add(r: random.Random, name: str, item: str) -> Kind:
     a, b = r.randint(2, 20), r.randint(2, 20)
     return (f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?",
-            f"{name} starts with {a} {item} and gets {b} more, so {a} + {b} = {a + b}.", a + b)
+            f"{name} starts with {a} {item} and gets {b} more, so {a} + {b} = {a + b}.",
+            (f"To find the total, we add the {item} {name} gets to the {item} {name} starts with.",
+             f"Check: {a + b} - {b} = {a}, which is the number of {item} {name} started with."), a + b)
 
 
-def _sub(r: random.Random, name: str, item: str) -> tuple[str, str, int]:
+def _sub(r: random.Random, name: str, item: str) -> Kind:
     a = r.randint(5, 30)
     b = r.randint(1, a - 1)
     return (f"{name} has {a} {item} and gives {b} of them away. How many {item} does {name} have left?",
-            f"{name} gives away {b} of {a} {item}, so {a} - {b} = {a - b}.", a - b)
+            f"{name} gives away {b} of {a} {item}, so {a} - {b} = {a - b}.",
+            (f"To find what is left, we subtract the {item} given away from the {item} {name} had.",
+             f"Check: {a - b} + {b} = {a}, which is the number of {item} {name} had at first."), a - b)
 
 
-def _mul(r: random.Random, name: str, item: str) -> tuple[str, str, int]:
+def _mul(r: random.Random, name: str, item: str) -> Kind:
     a, b = r.randint(2, 9), r.randint(2, 9)
     return (f"{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have in total?",
-            f"There are {a} bags of {b} {item}, so {a} * {b} = {a * b}.", a * b)
+            f"There are {a} bags of {b} {item}, so {a} * {b} = {a * b}.",
+            (f"To find the total, we multiply the number of bags by the number of {item} in each bag.",
+             f"Check: {a * b} / {b} = {a}, which is the number of bags."), a * b)
 
 
-def _div(r: random.Random, name: str, item: str) -> tuple[str, str, int]:
+def _div(r: random.Random, name: str, item: str) -> Kind:
     b, q = r.randint(2, 6), r.randint(2, 9)
     return (f"{name} shares {b * q} {item} equally among {b} friends. How many {item} does each friend get?",
-            f"Each friend gets {b * q} / {b} = {q} {item}.", q)
+            f"Each friend gets {b * q} / {b} = {q} {item}.",
+            (f"To find one share, we divide the {item} by the number of friends.",
+             f"Check: {q} * {b} = {b * q}, which is the number of {item} {name} shared."), q)
 
 
-def _two_step(r: random.Random, name: str, item: str) -> tuple[str, str, int]:
+def _two_step(r: random.Random, name: str, item: str) -> Kind:
     a, b = r.randint(3, 15), r.randint(2, 10)
     c = r.randint(1, a + b - 1)
     return (f"{name} has {a} {item}, buys {b} more, and then gives {c} away. How many {item} does {name} have?",
             f"After buying, {name} has {a} + {b} = {a + b} {item}. After giving {c} away, {a + b} - {c} = "
-            f"{a + b - c}.", a + b - c)
+            f"{a + b - c}.",
+            (f"We first add the {item} {name} buys, then subtract the {item} {name} gives away.",
+             f"Check: {a + b - c} + {c} - {b} = {a}, which is the number of {item} {name} started with."), a + b - c)
 
 
-_KINDS: list[Callable[[random.Random, str, str], tuple[str, str, int]]] = [_add, _sub, _mul, _div, _two_step]
+_KINDS: list[Callable[[random.Random, str, str], Kind]] = [_add, _sub, _mul, _div, _two_step]
+STYLES = ("short", "checked")
 
 
-def make_arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
-    """`n` distinct problems as rows ``{id, problem, answer, solution, kind}``; same seed, same list."""
+def make_arithmetic_problems(n: int, seed: int = 0, style: str = "short") -> list[dict]:
+    """`n` distinct problems as rows ``{id, problem, answer, solution, kind}``; same seed, same list. `style`
+    is the solution's: "short" (the work in one line + the boxed answer) or "checked" (a plan line, the work,
+    a check by the inverse operation, the boxed answer; ~2-3x longer, no line repeated). The problems and
+    answers do not depend on it."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if style not in STYLES:
+        raise ValueError(f"style: unknown {style!r} (expected one of {', '.join(STYLES)})")
     r = random.Random(seed)
     rows: list[dict] = []
     seen: set[str] = set()
@@ -67,12 +88,14 @@ def make_arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
         if attempts > 50 * n + 1000:
             raise ValueError(f"cannot generate {n} distinct arithmetic problems")
         kind = r.choice(_KINDS)
-        problem, work, answer = kind(r, r.choice(_NAMES), r.choice(_ITEMS))
+        problem, work, (plan, check), answer = kind(r, r.choice(_NAMES), r.choice(_ITEMS))
         if problem in seen:
             continue
         seen.add(problem)
+        lines = [plan, work, check] if style == "checked" else [work]
         rows.append({"id": f"arith-{seed}-{len(rows)}", "problem": problem, "answer": str(answer),
-                     "solution": f"{work}\nThe answer is $\\boxed{{{answer}}}$.", "kind": kind.__name__[1:]})
+                     "solution": "\n".join(lines + [f"The answer is $\\boxed{{{answer}}}$."]),
+                     "kind": kind.__name__[1:]})
     return rows
 
 

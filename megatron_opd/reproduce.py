@@ -1,0 +1,84 @@
+"""`megatron-opd demo --reproduce`: the length-inflation setting of docs/reproduction.md, run and judged.
+
+The pair is the analogue of the paper's (a short-answer student under a teacher whose own solutions are
+longer and complete): the student is SmolLM2-135M-Instruct fine-tuned on one-line solutions (the demo's
+teacher), the teacher the same base model fine-tuned on solutions that plan, work and check by the inverse
+operation (`CHECKED_TEACHER_RECIPE`). Neither is shaped to reward repetition. Each arm (opd, opd_kl,
+stable_opd) runs per seed with `train.seed` and `rollout.seed` both varied; the end is the pair probe's
+verdict, the checker's verdict (eval/reproduction.py), a figure in the paper's layout and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from transformers import AutoTokenizer
+
+from megatron_opd.data.builtin.arithmetic import write_builtin_jsonl
+from megatron_opd.eval.probe import load_probe_prompts, probe, render
+from megatron_opd.eval.reproduction import main as check_main
+from megatron_opd.rollout.local import LocalEngine
+from megatron_opd.teacher.hf import HFTeacher
+from megatron_opd.trainer.plot import REPRODUCTION_PANELS, plot_runs
+
+ARMS = ("opd", "opd_kl", "stable_opd")
+SEEDS = (0, 1, 2)
+ROLLOUT_SEED_BASE = 1234
+# Fixed before the runs (docs/reproduction.md, "The reproduction's setting"): steps, budget, eval cadence.
+SETTING = {"steps": 50, "budget": 256, "eval_every": 10}
+TINY_SETTING = {"steps": 4, "budget": 32, "eval_every": 2}  # the demo's tiny budget
+
+
+def arm_overrides(seed: int, setting: dict, text_threshold: float) -> list[str]:
+    """What a reproduction arm sets on top of the demo's setting (demo_overrides)."""
+    return [f"train.seed={seed}", f"rollout.seed={ROLLOUT_SEED_BASE + seed}", f"train.eval_every={setting['eval_every']}",
+            f"train.health.text_threshold={text_threshold:.2f}"]
+
+
+def probe_pair(student: Path, teacher: Path, budget: int, n: int, out: Path) -> dict:
+    """The pair probe at the run's budget (cached in `out`); its teacher p99 zlib ratio is the runs' repetition
+    threshold, so it is measured before any run and written down."""
+    f = out / "probe.json"
+    if f.is_file():
+        return json.loads(f.read_text())
+    tok = AutoTokenizer.from_pretrained(str(student))
+    engine = LocalEngine.from_pretrained(student)
+    scorer = HFTeacher(engine.model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
+    teacher_scorer = HFTeacher.from_pretrained(teacher)
+    report = probe(engine, scorer, teacher_scorer, tok, load_probe_prompts(None, tok, n, use_chat=True), n=n,
+                   budget=budget, copies=4, seed=0, teacher_engine=LocalEngine(teacher_scorer.model))
+    print(render(report), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"student_path": str(student), "teacher_path": str(teacher), **report.to_json()}
+    f.write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def reproduce(out: Path, student: Path, teacher: Path, tiny: bool, seeds: tuple[int, ...], overrides: list[str],
+              run_preset: Callable[..., dict], compare_table: Callable[[list[Path]], str], n_train: int,
+              n_eval: int) -> int:
+    """Probe, then every (seed, arm) run, then the figure, the table and the checker's verdict (its exit code)."""
+    t0 = time.time()
+    setting = TINY_SETTING if tiny else SETTING
+    data = write_builtin_jsonl(out / "data", n_train=n_train, n_eval=n_eval)
+    report = probe_pair(student, teacher, setting["budget"], 8 if tiny else 32, out)
+    threshold = max(1.0, report["teacher"]["zlib_ratio"]["p99"])
+    print(f"[reproduce] pair: {report['verdict']}\n[reproduce] repetition threshold (teacher's p99 zlib ratio): "
+          f"{threshold:.2f}", flush=True)
+    runs = []
+    for seed in seeds:
+        for arm in ARMS:
+            run = out / f"{arm}-seed{seed}"
+            run_preset(arm, run, student, teacher, data, setting["steps"], tiny,
+                       arm_overrides(seed, setting, threshold) + list(overrides), setting["budget"])
+            runs.append(run)
+    png = plot_runs(runs, out / "reproduction.png", REPRODUCTION_PANELS)
+    table = compare_table(runs)
+    (out / "table.md").write_text(table)
+    print(f"\n[reproduce] {len(runs)} runs in {time.time() - t0:.0f} s\n\n{table}\n[reproduce] figure: {png}\n"
+          f"[reproduce] the checker (megatron-opd check-reproduction{' --single-seed' if len(seeds) == 1 else ''} "
+          f"{out}/*-seed*):", flush=True)
+    return check_main([str(r) for r in runs] + (["--single-seed"] if len(seeds) == 1 else []))
