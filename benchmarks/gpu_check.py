@@ -9,11 +9,19 @@ What it does, each heavy part in its own subprocess (a crash or hang in one stil
   2. random Qwen2-shaped HF models (student seed 0, teacher seed 1; ~0.5B at `--size 0.5b`: hidden
      1024, 24 layers, 16 heads, 2 KV heads, FFN 2816, vocabulary 151936) with the byte tokenizer, and
      the builtin arithmetic prompts;
-  3. `model` worker: megatron-core GPTModel (local spec) forward + backward on random tokens, timed:
-     the backend alone (NCCL/gloo world of one, the model dtype), independent of the trainer;
-  4. one worker per preset (default stable_opd, then opd): the real `Trainer` (megatron student,
+  3. `model` worker: megatron-core GPTModel forward + backward on random tokens, timed: the backend
+     alone (NCCL/gloo world of one, the model dtype), independent of the trainer; on CUDA again with FP8;
+  4. `ckpt` worker: the student converted to torch_dist on the CPU (local spec, CUDA hidden), loaded into
+     the model this device builds, logits against HF (a CPU-written checkpoint must load into TE);
+  5. one worker per preset (default stable_opd, then opd): the real `Trainer` (megatron student,
      reference and teacher, local rollout engine, weight sync), `--warmup` untimed steps then
-     `--steps` timed ones, each step's metrics appended to a JSONL file as it finishes.
+     `--steps` timed ones, each step's metrics appended to a JSONL file as it finishes; on CUDA the first
+     preset again with FP8.
+
+Every phase builds what a user's run builds on this device: `--layer-spec auto` is Transformer Engine on
+CUDA and the local spec on CPU (as `model.layer_spec=auto`); `--fp8 auto` is the `delayed` recipe on CUDA
+and none on CPU. A phase that cannot build (no TE, FP8 unsupported) fails: nothing is skipped.
+`--dry-run` prints the phases it would run (for `--device cuda` too, on a machine without one) and exits.
 
 The report (`--out`) is rewritten after every phase: a run cut short still says how far it got.
 Numbers: step time = `time/step_s`; tokens/s = trained tokens (prompt + response of every sequence,
@@ -27,6 +35,7 @@ trainer without that metric, step - rollout - train - sync). The rollout engine 
 dtype are recorded per preset. Peak memory: torch.cuda.max_memory_allocated on CUDA (and the host VmHWM everywhere).
 
     python benchmarks/gpu_check.py --size tiny --device cpu --out /tmp/gpu_check.json
+    python benchmarks/gpu_check.py --device cuda --dry-run      # the phases, as JSON
     python benchmarks/gpu_check.py --size 0.5b --device cuda --out $OUT/gpu_check.json --time-limit 460
 """
 
@@ -248,8 +257,55 @@ class _Events:
         self.f.flush()
 
 
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The phases in order, each {name, worker, layer_spec, dtype, fp8[, preset]}: what --dry-run prints."""
+    common = {"layer_spec": args.layer_spec, "dtype": args.dtype}
+    phases: list[dict[str, Any]] = []
+    if not args.no_model_check:
+        phases.append({"name": "model", "worker": "model", **common, "fp8": None})
+        if args.fp8:
+            phases.append({"name": f"model-fp8-{args.fp8}", "worker": "model", **common, "fp8": args.fp8})
+    if not args.no_ckpt_check:
+        phases.append({"name": "ckpt", "worker": "ckpt", "layer_spec": args.layer_spec, "dtype": "float32",
+                       "fp8": None, "written_by": "cpu, local spec (megatron-opd convert hf-to-mcore)"})
+    for preset in args.presets:
+        phases.append({"name": preset, "worker": "preset", "preset": preset, **common, "fp8": None})
+    if args.fp8 and args.presets:
+        phases.append({"name": f"{args.presets[0]}-fp8-{args.fp8}", "worker": "preset", "preset": args.presets[0],
+                       **common, "fp8": args.fp8})
+    return phases
+
+
+def worker_ckpt(args: argparse.Namespace, ev: _Events) -> None:
+    """The student written to torch_dist on the CPU (local spec), loaded into this device's model, vs HF."""
+    from megatron_opd.convert.checkpoint import verify_checkpoint
+
+    _check_device(args.device)
+    ckpt = Path(args.workdir) / "ckpt-cpu-written"
+    t = time.time()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    res = subprocess.run([sys.executable, "-m", "megatron_opd.cli", "convert", "hf-to-mcore", "--hf", args.student,
+                          "--out", str(ckpt), "--tp", "1", "--pp", "1", "--overwrite"],
+                         env=env, cwd=str(REPO), capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"CPU conversion failed (exit {res.returncode}): {(res.stdout + res.stderr)[-2000:]}")
+    ev(event="written", write_s=time.time() - t, ckpt=str(ckpt))
+    t = time.time()
+    report = verify_checkpoint(args.student, ckpt, dtype="float32",
+                               backend="nccl" if args.device == "cuda" else "gloo", layer_spec=args.layer_spec)
+    ev(event="loaded", load_verify_s=time.time() - t, **report)
+    log(f"ckpt: CPU-written checkpoint into the {args.layer_spec} model: max |logit diff| "
+        f"{report['max_abs_logit_diff']:.3g} (tol {report['tol']:g})")
+    if not report["ok"]:
+        raise RuntimeError(f"the CPU-written checkpoint loads into the {args.layer_spec} model with logits "
+                           f"{report['max_abs_logit_diff']:.3g} from HF's (tol {report['tol']:g})")
+    ev(event="done", memory=_memory(args.device))
+
+
 def worker_model(args: argparse.Namespace, ev: _Events) -> None:
-    """megatron-core GPTModel (local spec) forward + backward on random tokens: the backend alone."""
+    """megatron-core GPTModel forward + backward on random tokens: the backend alone."""
     import torch
 
     from megatron_opd.models.gpt import build_gpt_model
@@ -262,9 +318,10 @@ def worker_model(args: argparse.Namespace, ev: _Events) -> None:
     init_parallel(1, 1, "nccl" if args.device == "cuda" else "gloo", seed=1234)
     hf_config = AutoConfig.from_pretrained(args.student)
     t = time.time()
-    model = build_gpt_model(hf_config, layer_spec="local", params_dtype=dtype)
+    model = build_gpt_model(hf_config, layer_spec=args.layer_spec, params_dtype=dtype, fp8=args.fp8)
     dev = next(model.parameters()).device
-    ev(event="built", build_s=time.time() - t, param_device=str(dev), param_dtype=str(next(model.parameters()).dtype),
+    ev(event="built", build_s=time.time() - t, layer_spec=args.layer_spec, fp8=args.fp8, param_device=str(dev),
+       param_dtype=str(next(model.parameters()).dtype),
        megatron_params=sum(p.numel() for p in model.parameters()))
     log(f"model: GPTModel built on {dev} in {time.time() - t:.1f}s")
     b, s, vocab = args.model_batch, args.model_seq, int(hf_config.vocab_size)
@@ -297,6 +354,19 @@ def worker_model(args: argparse.Namespace, ev: _Events) -> None:
     destroy_parallel()
 
 
+def preset_overrides(args: argparse.Namespace) -> list[str]:
+    """The trainer config of a preset worker: the step benchmark's work at this phase's spec, dtype and FP8."""
+    run_dir = Path(args.workdir) / f"run-{args.preset}{'-fp8' if args.fp8 else ''}"
+    return [
+        *step_overrides(args.preset, args.student, args.teacher, args.data, run_dir, steps=args.warmup + args.steps,
+                        prompts=args.prompts_per_step, samples=args.samples_per_prompt,
+                        new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size),
+        f"model.layer_spec={args.layer_spec}", f"model.params_dtype={args.dtype}",
+        *([f"model.fp8={args.fp8}"] if args.fp8 else []),
+        f"parallel.backend={'nccl' if args.device == 'cuda' else 'gloo'}", *args.override,
+    ]
+
+
 def worker_preset(args: argparse.Namespace, ev: _Events) -> None:
     """The real Trainer for one preset: warm-up + timed `train_step`s, each step's metrics as an event."""
     import torch
@@ -306,15 +376,8 @@ def worker_preset(args: argparse.Namespace, ev: _Events) -> None:
     from megatron_opd.trainer.loop import Trainer
 
     _check_device(args.device)
-    run_dir = Path(args.workdir) / f"run-{args.preset}"
     steps = args.warmup + args.steps
-    overrides = [
-        *step_overrides(args.preset, args.student, args.teacher, args.data, run_dir, steps=steps,
-                        prompts=args.prompts_per_step, samples=args.samples_per_prompt,
-                        new_tokens=args.max_new_tokens, micro_batch_size=args.micro_batch_size),
-        "model.layer_spec=local", f"model.params_dtype={args.dtype}",
-        f"parallel.backend={'nccl' if args.device == 'cuda' else 'gloo'}", *args.override,
-    ]
+    overrides = preset_overrides(args)
     cfg = load_config(None, overrides)
     ev(event="config", overrides=overrides, beta_kl=cfg.algo.beta_kl, lambda_gold=cfg.algo.lambda_gold,
        mixture_ratio=cfg.algo.mixture_ratio, kl_estimator=cfg.algo.kl_estimator, ppo_epochs=cfg.algo.ppo_epochs)
@@ -366,7 +429,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        (worker_model if args.worker == "model" else worker_preset)(args, ev)
+        {"model": worker_model, "ckpt": worker_ckpt, "preset": worker_preset}[args.worker](args, ev)
         return 0
     except BaseException as e:  # noqa: BLE001 - the orchestrator needs every failure, KeyboardInterrupt too
         ev(event="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
@@ -388,13 +451,13 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _spawn(args: argparse.Namespace, kind: str, preset: Optional[str], timeout: float,
-           models: dict[str, Path], data: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    name = kind if preset is None else f"preset-{preset}"
-    events = Path(args.workdir) / f"{name}.events.jsonl"
-    events.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--events", str(events),
-           "--device", args.device, "--dtype", args.dtype, "--workdir", str(args.workdir),
+def worker_cmd(args: argparse.Namespace, phase: dict[str, Any], events: Path, models: dict[str, Path],
+               data: Path) -> list[str]:
+    """The command line of one phase's worker process."""
+    preset = phase.get("preset")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", phase["worker"], "--events", str(events),
+           "--device", args.device, "--dtype", phase["dtype"], "--workdir", str(args.workdir),
+           "--layer-spec", phase["layer_spec"], "--fp8", phase["fp8"] or "none",
            "--student", str(models["student"]), "--teacher", str(models["teacher"]), "--data", str(data),
            "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--prompts-per-step", str(args.prompts_per_step), "--samples-per-prompt", str(args.samples_per_prompt),
@@ -405,6 +468,15 @@ def _spawn(args: argparse.Namespace, kind: str, preset: Optional[str], timeout: 
         cmd += ["--preset", preset]
     for o in args.override:
         cmd += ["--override", o]
+    return cmd
+
+
+def _spawn(args: argparse.Namespace, phase: dict[str, Any], timeout: float,
+           models: dict[str, Path], data: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    name = phase["name"]
+    events = Path(args.workdir) / f"{name}.events.jsonl"
+    events.unlink(missing_ok=True)
+    cmd = worker_cmd(args, phase, events, models, data)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GPU_CHECK_T0": repr(T0)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     log(f"{name}: starting (time limit {timeout:.0f}s)")
@@ -442,6 +514,17 @@ def _spawn(args: argparse.Namespace, kind: str, preset: Optional[str], timeout: 
 def _median(xs: list[float]) -> Optional[float]:
     xs = [x for x in xs if _finite(x)]
     return statistics.median(xs) if xs else None
+
+
+def summarise_ckpt(evs: list[dict[str, Any]], info: dict[str, Any], params: dict[str, int],
+                   peak: Optional[float]) -> dict[str, Any]:
+    out = dict(info)
+    for e in evs:
+        if e.get("event") in ("written", "loaded"):
+            out.update({k: v for k, v in e.items() if k != "event"})
+    if out["status"] == "ok" and not out.get("ok"):
+        out["status"] = "failed (logits differ)"
+    return out
 
 
 def summarise_model(evs: list[dict[str, Any]], info: dict[str, Any], params: dict[str, int],
@@ -515,9 +598,15 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     def r(x: Any, n: int = 4) -> Any:
         return round(x, n) if _finite(x) else x
 
+    kinds = {p["name"]: p["worker"] for p in report.get("plan", [])}
     for name, ph in report.get("phases", {}).items():
-        if name == "model":
-            out["model_fwd_bwd"] = {"status": ph.get("status"), "median_s": r(ph.get("fwd_bwd_median_s")),
+        if kinds.get(name) == "ckpt":
+            out[name] = {k: ph.get(k) for k in ("status", "layer_spec", "max_abs_logit_diff", "argmax_agreement",
+                                                "tol", "error") if ph.get(k) is not None}
+            continue
+        if kinds.get(name, "model" if name == "model" else "preset") == "model":
+            out["model_fwd_bwd" if name == "model" else name] = {
+                                    "status": ph.get("status"), "median_s": r(ph.get("fwd_bwd_median_s")),
                                     "tokens_per_s": r(ph.get("tokens_per_s"), 1), "mfu": r(ph.get("mfu")),
                                     "memory": ph.get("memory")}
             continue
@@ -530,6 +619,22 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
         if ph.get("error"):
             out[name]["error"] = ph["error"]
     return out
+
+
+def resolve_device_defaults(args: argparse.Namespace, cuda_available: bool) -> None:
+    """device/dtype/layer_spec/fp8 "auto" -> what a user's run gets on this device (model.layer_spec=auto)."""
+    if args.device == "auto":
+        args.device = "cuda" if cuda_available else "cpu"
+    cuda = args.device == "cuda"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+    if args.layer_spec == "auto":
+        args.layer_spec = "te" if cuda else "local"
+    if args.fp8 == "auto":
+        args.fp8 = "delayed" if cuda else None
+    if args.fp8 and args.layer_spec != "te":
+        raise SystemExit(f"gpu_check: --fp8 {args.fp8} needs the Transformer Engine layer spec (--layer-spec te, "
+                         "on CUDA)")
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -552,11 +657,8 @@ def orchestrate(args: argparse.Namespace) -> int:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         import torch
 
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.dtype == "auto":
-            args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-        report["args"].update(device=args.device, dtype=args.dtype)
+        resolve_device_defaults(args, torch.cuda.is_available())
+        report["args"].update(device=args.device, dtype=args.dtype, layer_spec=args.layer_spec, fp8=args.fp8)
         _check_device(args.device)
         env = environment(args.device)
         report["environment"] = env
@@ -584,20 +686,19 @@ def orchestrate(args: argparse.Namespace) -> int:
         log(f"models ready in {time.time() - t:.1f}s: {params}")
         save()
 
-        jobs: list[tuple[str, Optional[str]]] = ([] if args.no_model_check else [("model", None)])
-        jobs += [("preset", p) for p in args.presets]
-        for j, (kind, preset) in enumerate(jobs):
+        jobs = plan(args)
+        report["plan"] = jobs
+        for j, phase in enumerate(jobs):
             left = deadline - time.time() - 10
             if left < 20:
-                report["phases"][kind if preset is None else preset] = {"status": "skipped (time limit)"}
-                log(f"skipping {kind} {preset or ''}: {left:.0f}s left")
+                report["phases"][phase["name"]] = {"status": "not run (time limit)"}
+                log(f"not running {phase['name']}: {left:.0f}s left")
                 continue
             timeout = left / (len(jobs) - j)  # an equal share of what is left; unused time passes on
-            evs, info = _spawn(args, kind, preset, timeout, models, data)
-            if kind == "model":
-                report["phases"]["model"] = summarise_model(evs, info, params, peak)
-            else:
-                report["phases"][preset] = summarise_preset(evs, info, params, peak)
+            evs, info = _spawn(args, phase, timeout, models, data)
+            summarise = {"model": summarise_model, "ckpt": summarise_ckpt, "preset": summarise_preset}[phase["worker"]]
+            report["phases"][phase["name"]] = {**summarise(evs, info, params, peak),
+                                               "layer_spec": phase["layer_spec"], "fp8": phase["fp8"]}
             save()
         bad = [k for k, v in report["phases"].items() if v.get("status") != "ok"]
         report["status"] = "ok" if not bad else f"failed: {', '.join(bad)}"
@@ -636,6 +737,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-batch", type=int, default=None, help="model check: sequences per forward/backward")
     ap.add_argument("--model-seq", type=int, default=None, help="model check: tokens per sequence")
     ap.add_argument("--no-model-check", action="store_true", help="skip the GPTModel-only forward/backward timing")
+    ap.add_argument("--no-ckpt-check", action="store_true", help="skip loading a CPU-written checkpoint")
+    ap.add_argument("--layer-spec", choices=["auto", "local", "te"], default="auto",
+                    help="model.layer_spec of every phase (auto: Transformer Engine on CUDA, local on CPU)")
+    ap.add_argument("--fp8", default="auto",
+                    help="FP8 recipe of the extra FP8 phases (auto: delayed on CUDA, none on CPU; none: no FP8 phase)")
+    ap.add_argument("--dry-run", action="store_true", help="print the phases this would run (JSON) and exit")
     ap.add_argument("--no-matmul-probe", action="store_true")
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak FLOP/s for MFU (default: by device name)")
     ap.add_argument("--override", action="append", default=[], help="extra dotted config override (repeatable)")
@@ -644,7 +751,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="report path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--workdir", default=None, help="models, data, runs (default: a fresh temp dir)")
     # worker-only
-    ap.add_argument("--worker", choices=["model", "preset"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["model", "ckpt", "preset"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--events", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--student", default=None, help=argparse.SUPPRESS)
@@ -652,6 +759,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    args.fp8 = None if args.fp8 == "none" else args.fp8
     if args.worker:
         _worker_env(args.device)
         sys.path.insert(0, str(REPO))
@@ -661,6 +769,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if key != "model" and getattr(args, key, None) is None:
             setattr(args, key, val)
     args.presets = [p for p in args.presets.split(",") if p]
+    if args.dry_run:
+        resolve_device_defaults(args, cuda_available=args.device == "cuda")
+        print(json.dumps({"device": args.device, "dtype": args.dtype, "phases": plan(args)}, indent=1))
+        return 0
     if args.out is None:
         args.out = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     if args.workdir is None:

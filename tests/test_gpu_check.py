@@ -86,6 +86,9 @@ def test_cpu_tiny_end_to_end(tmp_path: Path):
         assert ph["rollout_engine"]["device"] == "cpu" and ph["rollout_engine"]["dtype"] == "torch.float32"
         assert report["summary"][preset]["tokens_per_s"] > 0
     assert report["phases"]["stable_opd"]["steps"][-1]["metrics"]["rollout/num_golden"] >= 1
+    ckpt = report["phases"]["ckpt"]  # a CPU-written torch_dist checkpoint loaded into this device's model
+    assert ckpt["status"] == "ok" and ckpt["layer_spec"] == "local" and ckpt["max_abs_logit_diff"] <= ckpt["tol"]
+    assert [p["name"] for p in report["plan"]] == ["model", "ckpt", "stable_opd", "opd"]  # no FP8 on CPU
 
 
 def _step(i, warmup, step_s, train_s, tokens, loss=0.5, **extra):
@@ -163,3 +166,47 @@ def test_help_and_usage():
     assert res.returncode == 0 and "--fetch-wheels" in res.stdout and 'carry=[".whl"]' in res.stdout
     res = subprocess.run(["bash", str(SCRIPT), "--fetch-wheels", "extra"], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "takes no arguments" in res.stderr
+
+
+def test_dry_run_on_cuda_builds_the_default_gpu_path(tmp_path: Path):
+    """What the check would run on a GPU, checked here: every phase on the Transformer Engine spec, FP8 phases
+    for the model and a preset (`delayed`), the CPU-written checkpoint loaded into TE, and each phase's worker
+    command and trainer config carrying that spec and recipe (the config passes the trainer's validation)."""
+    from megatron_opd.config import load_config
+
+    gc = _gpu_check()
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cuda",
+                          "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    planned = json.loads(res.stdout)
+    phases = {p["name"]: p for p in planned["phases"]}
+    assert planned["dtype"] == "bfloat16" and list(phases) == [
+        "model", "model-fp8-delayed", "ckpt", "stable_opd", "opd", "stable_opd-fp8-delayed"]
+    assert all(p["layer_spec"] == "te" for p in phases.values())
+    assert [n for n, p in phases.items() if p["fp8"]] == ["model-fp8-delayed", "stable_opd-fp8-delayed"]
+    assert phases["ckpt"]["written_by"].startswith("cpu")
+
+    args = gc.argparse.Namespace(**{**vars(gc.argparse.Namespace()), "device": "cuda", "workdir": str(tmp_path),
+                                    "warmup": 1, "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2,
+                                    "max_new_tokens": 8, "micro_batch_size": 4, "model_batch": 2, "model_seq": 64,
+                                    "threads": 0, "override": [], "student": "S", "teacher": "T", "data": "D"})
+    models = {"student": tmp_path / "s", "teacher": tmp_path / "t"}
+    for p in phases.values():
+        cmd = gc.worker_cmd(args, p, tmp_path / "e.jsonl", models, tmp_path / "d.jsonl")
+        assert cmd[cmd.index("--layer-spec") + 1] == "te" and cmd[cmd.index("--worker") + 1] == p["worker"]
+        assert cmd[cmd.index("--fp8") + 1] == (p["fp8"] or "none")
+    fp8 = phases["stable_opd-fp8-delayed"]
+    args.preset, args.layer_spec, args.dtype, args.fp8 = fp8["preset"], "te", "bfloat16", "delayed"
+    overrides = gc.preset_overrides(args)
+    assert {"model.layer_spec=te", "model.fp8=delayed", "model.params_dtype=bfloat16",
+            "parallel.backend=nccl"} <= set(overrides)
+    cfg = load_config(None, overrides)
+    assert (cfg.model.layer_spec, cfg.model.fp8) == ("te", "delayed")
+
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                          "--dry-run"], capture_output=True, text=True, timeout=60)
+    cpu = json.loads(res.stdout)["phases"]
+    assert all(p["layer_spec"] == "local" and p["fp8"] is None for p in cpu)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
+                          "--fp8", "delayed", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "--fp8 delayed needs the Transformer Engine layer spec" in res.stderr

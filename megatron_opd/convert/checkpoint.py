@@ -175,12 +175,14 @@ def _mcore_to_hf_worker(rank: int, world_size: int, job: dict) -> dict:
 
 
 def _verify_worker(rank: int, world_size: int, job: dict) -> dict:
-    """Megatron (1x1, from the torch_dist checkpoint) vs HF (from the HF dir) logits on random ids."""
+    """Megatron (1x1, from the torch_dist checkpoint) vs HF (from the HF dir) logits on random ids. The model
+    is built with job["layer_spec"] (default local): a checkpoint written with one spec must load into the
+    other (benchmarks/gpu_check.py loads a CPU-written one into the Transformer Engine model)."""
     dtype = _torch_dtype(job["dtype"])
     init_parallel(1, 1, backend=job["backend"])
     try:
         cfg = load_hf_config(job["hf"])
-        model = build_gpt_model(cfg, tp=1, pp=1, layer_spec="local", params_dtype=dtype)
+        model = build_gpt_model(cfg, tp=1, pp=1, layer_spec=job.get("layer_spec", "local"), params_dtype=dtype)
         load_model_checkpoint(model, job["ckpt"])
         model.eval()
         hf = AutoModelForCausalLM.from_pretrained(job["hf"], dtype=dtype).eval()
@@ -206,6 +208,15 @@ def _verify_worker(rank: int, world_size: int, job: dict) -> dict:
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--out {out}: already exists and is not empty (pass --overwrite to replace it)")
+
+
+def verify_checkpoint(hf: str | Path, ckpt: str | Path, dtype: str = "float32", backend: str = "auto",
+                      layer_spec: str = "local", seed: int = 0, prompts: int = 2, seq_len: int = 32) -> dict:
+    """In this process (a world of one): `_verify_worker`'s report plus the default tolerance and `ok`."""
+    job = {"hf": str(hf), "ckpt": str(ckpt), "dtype": dtype, "backend": backend, "seed": seed, "prompts": prompts,
+           "seq_len": seq_len, "layer_spec": layer_spec}
+    report = _verify_worker(0, 1, job)
+    return {**report, "tol": DEFAULT_VERIFY_TOL[dtype], "ok": report["max_abs_logit_diff"] <= DEFAULT_VERIFY_TOL[dtype]}
 
 
 def _verify(args: argparse.Namespace, hf_dir: Path, ckpt: Path, dtype: str) -> int:
