@@ -91,8 +91,10 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
     """The student fine-tuned (`trainer.sft.run_sft`) on worked solutions of `recipe["problems"]` builtin
     arithmetic problems drawn with their own seed, none of them among the demo's held-out problems.
     Cached by a key over the recipe and the student's config; reused when its `sft_meta.json` is there."""
-    key_src = json.dumps({"recipe": recipe, "student": (student / "config.json").read_text(),
-                          "eval": [N_TRAIN, N_EVAL]}, sort_keys=True)
+    key = {"recipe": recipe, "student": (student / "config.json").read_text(), "eval": [N_TRAIN, N_EVAL]}
+    if recipe.get("style", "short") != "short":  # a change of the solution text makes a new teacher
+        key["text"] = [r["solution"] for r in make_arithmetic_problems(3, seed=0, style=recipe["style"])]
+    key_src = json.dumps(key, sort_keys=True)
     key = hashlib.sha256(key_src.encode()).hexdigest()[:10]
     out = cache / f"{student.name}-arith-teacher-{key}"
     if read_sft_meta(out) is not None:

@@ -19,7 +19,7 @@ _ITEMS = ["apples", "pencils", "marbles", "stickers", "cookies", "books", "coins
 
 
 # Each kind: (problem, one-line work, (plan, check by the inverse operation), answer). The short solution is the
-# work line + the boxed answer (the demo's format); the "checked" one adds the plan before and the check after.
+# work line + the boxed answer (the demo's format); the "checked" one adds a plan before and a check after.
 Kind = tuple[str, str, tuple[str, str], int]
 
 
@@ -73,8 +73,8 @@ STYLES = ("short", "checked")
 def make_arithmetic_problems(n: int, seed: int = 0, style: str = "short") -> list[dict]:
     """`n` distinct problems as rows ``{id, problem, answer, solution, kind}``; same seed, same list. `style`
     is the solution's: "short" (the work in one line + the boxed answer) or "checked" (a plan line, the work,
-    a check by the inverse operation, the boxed answer; ~2-3x longer, no line repeated). The problems and
-    answers do not depend on it."""
+    the boxed answer, then a check by the inverse operation: ~2-3x longer, no line repeated, and it goes on
+    where a short solution stops). The problems and answers do not depend on it."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if style not in STYLES:
@@ -92,9 +92,10 @@ def make_arithmetic_problems(n: int, seed: int = 0, style: str = "short") -> lis
         if problem in seen:
             continue
         seen.add(problem)
-        lines = [plan, work, check] if style == "checked" else [work]
+        final = f"The answer is $\\boxed{{{answer}}}$."
+        lines = [plan, work, final, check] if style == "checked" else [work, final]
         rows.append({"id": f"arith-{seed}-{len(rows)}", "problem": problem, "answer": str(answer),
-                     "solution": "\n".join(lines + [f"The answer is $\\boxed{{{answer}}}$."]),
+                     "solution": "\n".join(lines),
                      "kind": kind.__name__[1:]})
     return rows
 
