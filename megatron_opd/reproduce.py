@@ -33,9 +33,12 @@ TINY_SETTING = {"steps": 4, "budget": 32, "eval_every": 2}  # the demo's tiny bu
 
 
 def arm_overrides(seed: int, setting: dict, text_threshold: float) -> list[str]:
-    """What a reproduction arm sets on top of the demo's setting (demo_overrides)."""
+    """What a reproduction arm sets on top of the demo's setting (demo_overrides). Runs take hours here, so each
+    arm checkpoints every 5 steps and resumes: `demo --reproduce` again continues where it was stopped (a
+    finished arm resumes at its last step and runs nothing)."""
     return [f"train.seed={seed}", f"rollout.seed={ROLLOUT_SEED_BASE + seed}", f"train.eval_every={setting['eval_every']}",
-            f"train.health.text_threshold={text_threshold:.2f}"]
+            f"train.health.text_threshold={text_threshold:.2f}", f"checkpoint.save_every={min(5, setting['steps'])}",
+            "checkpoint.resume=auto", "checkpoint.keep_last=2"]
 
 
 def probe_pair(student: Path, teacher: Path, budget: int, n: int, out: Path) -> dict:

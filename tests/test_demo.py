@@ -100,6 +100,12 @@ def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp
         rows = [json.loads(l) for l in (out / f"{arm}-seed5" / "metrics.jsonl").read_text().splitlines()]
         assert rows[-1]["step"] == TINY_SETTING["steps"]
     assert (out / "reproduction.png").is_file() and (out / "table.md").is_file()
+    # stopped or finished, the same command continues: every arm resumes at its last checkpoint
+    files = [out / f"{arm}-seed5" / "metrics.jsonl" for arm in ARMS]
+    before = [(f.read_text(), f.stat().st_mtime_ns) for f in files]
+    assert demo.main(["--reproduce", "--tiny", "--seed", "5", "--out", str(out), "--cache", str(cache),
+                      "logging.progress_bar=false"]) == 1
+    assert [(f.read_text(), f.stat().st_mtime_ns) for f in files] == before  # nothing re-trained or re-logged
     with pytest.raises(SystemExit):
         demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
 
