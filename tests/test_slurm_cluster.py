@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_opd.trainer.checkpoint import is_complete
 from megatron_opd.trainer.logger import read_metrics
 
 pytestmark = pytest.mark.slurm
@@ -270,6 +271,7 @@ def test_node_fault_fails_fast_naming_the_rank_and_resubmission_resumes(cluster,
     latest = (ckpts / "latest").read_text().strip()
     assert (ckpts / latest).is_dir()
     for d in sorted(ckpts.glob("step_*")):
+        assert is_complete(d) and (d / "shared").is_dir(), d  # the torch_dist student + optimizer, all ranks' files
         for rank in (0, 1):
             torch.load(d / f"rank{rank}.pt", weights_only=True)
     last_good = int(latest.split("_")[-1])

@@ -26,6 +26,7 @@ import torch
 
 from _tiny import tiny_setup
 from megatron_opd.config import load_config
+from megatron_opd.models.checkpoint import read_weights, save_training_state
 from megatron_opd.trainer.logger import read_metrics
 
 TRIGGER = ["train.collapse.length_key=train/weight_version", "train.collapse.length_ratio=1.9",
@@ -82,7 +83,7 @@ def _scripted_evals(*accuracies: float):
 
 
 def _weights(out: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(out / "checkpoints" / f"step_{step:08d}" / "rank0.pt", weights_only=True)["policy"]["model"]
+    return read_weights(out / "checkpoints" / f"step_{step:08d}" / "shared")
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
@@ -186,7 +187,10 @@ def rollback_run(setup, tmp_path_factory):
                 self.spy_checkpoint = _weights(self.ckpt.root.parent, target)
                 self.spy_dirs_before = sorted(p.name for p in self.ckpt.root.glob("step_*"))
                 rollback(trainer, target)
-                self.spy_restored = {k: v.clone() for k, v in self.student.state_dict()["model"].items()}
+                live = self.ckpt.root.parent / "restored-weights"  # the live model in the checkpoint's key space
+                live.mkdir()
+                save_training_state(self.student.model, None, live)
+                self.spy_restored = read_weights(live)
                 self.spy_dirs_after = sorted(p.name for p in self.ckpt.root.glob("step_*"))
 
             self.guard.rollback = spy

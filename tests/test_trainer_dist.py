@@ -4,6 +4,7 @@ broadcast, vocab-parallel scoring, metric gathering and the collective weight sy
 from __future__ import annotations
 
 import pytest
+import torch
 
 from _dist import run_distributed
 from _tiny import tiny_setup, train_to_end
@@ -114,3 +115,53 @@ def test_control_collectives_use_gloo_host_groups_and_rank0_decides_resume(model
         assert ours > 0, "the spy saw none of the trainer's collectives"
         assert bad == [], f"collectives outside the gloo host groups: {bad}"
         assert (resumed_at, final) == (1, 2)
+
+
+def _resume_from(src, dst, step):
+    """dst starts as src's checkpoints up to `step` (as a run stopped there would have left them)."""
+    import shutil
+
+    (dst / "checkpoints").mkdir(parents=True)
+    for d in (src / "checkpoints").glob("step_*"):
+        if int(d.name.split("_")[1]) <= step:
+            shutil.copytree(d, dst / "checkpoints" / d.name)
+    (dst / "checkpoints" / "latest").write_text(f"step_{step:08d}\n")
+
+
+LAYOUTS = {"tp2": (2, 2, 1), "dp2": (2, 1, 1), "pp2": (2, 1, 2), "one": (1, 1, 1)}  # world, tp, pp
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("before,after", [("tp2", "dp2"), ("pp2", "one"), ("dp2", "one"), ("one", "tp2")],
+                         ids=["tp2-to-dp2", "pp2-to-pp1", "world2-to-1", "world1-to-2"])
+def test_resume_on_another_layout_continues_the_run(models, tmp_path, before, after):
+    """A checkpoint holds the student and its optimizer as one torch_dist checkpoint: a run stopped at step 1
+    on one layout resumes on another (TP<->DP at the same world size, PP2 -> PP1, 2 ranks -> 1 and back) and its
+    step 2 equals the uninterrupted run's within fp tolerance; rank 0's file gives the rest of the state."""
+    root, student, teacher, data = models
+    pp_teacher = ("teacher.backend=hf",)  # the 3-layer tiny teacher cannot split over PP=2
+    wa, tpa, ppa = LAYOUTS[before]
+    wb, tpb, ppb = LAYOUTS[after]
+    common = ("train.steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=3")
+    full = tmp_path / "full"
+    over_a = _overrides(student, teacher, data, full, tpa, ppa, *pp_teacher) + list(common)
+    assert run_distributed(train_to_end, wa, over_a) == [2] * wa
+    moved = tmp_path / "moved"
+    _resume_from(full, moved, 1)
+    over_b = _overrides(student, teacher, data, moved, tpb, ppb, *pp_teacher) + list(common)
+    assert run_distributed(train_to_end, wb, over_b) == [2] * wb
+    a, b = read_metrics(full), read_metrics(moved)
+    assert [r["step"] for r in b] == [2]  # resumed: step 1 was not re-trained
+    for key in (*KEYS, "loss/total_loss", "rollout/truncation_rate", "adv/mean"):
+        assert b[0][key] == pytest.approx(a[1][key], rel=2e-4, abs=1e-6), key
+    from megatron_opd.models.checkpoint import read_weights
+
+    wa_, wb_ = (read_weights(run / "checkpoints" / "step_00000002" / "shared") for run in (full, moved))
+    assert wa_.keys() == wb_.keys()
+    for k, v in wa_.items():
+        u = wb_[k]
+        if u.shape != v.shape:  # the vocabulary is padded to a multiple of TP: compare the real rows
+            assert u.shape[1:] == v.shape[1:] and "embedding" in k or "output_layer" in k, (k, u.shape, v.shape)
+            rows = min(u.shape[0], v.shape[0])
+            u, v = u[:rows], v[:rows]
+        torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)

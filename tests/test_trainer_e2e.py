@@ -11,6 +11,7 @@ import torch
 
 from _tiny import tiny_setup
 from megatron_opd.config import load_config
+from megatron_opd.models.checkpoint import read_weights
 from megatron_opd.trainer.logger import read_metrics
 
 
@@ -89,10 +90,10 @@ def test_resume_reproduces_the_uninterrupted_run(setup, tmp_path):
                     "logp/teacher_mean", "loss/grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     # the weights at the end are the same too
-    sa = torch.load(next((full / "checkpoints").glob("step_00000003")) / "rank0.pt", weights_only=True)
-    sb = torch.load(next((part / "checkpoints").glob("step_00000003")) / "rank0.pt", weights_only=True)
-    for k, v in sa["policy"]["model"].items():
-        torch.testing.assert_close(sb["policy"]["model"][k], v, rtol=1e-5, atol=1e-6)
+    sa, sb = (read_weights(run / "checkpoints" / "step_00000003" / "shared") for run in (full, part))
+    assert sa.keys() == sb.keys() and sa
+    for k, v in sa.items():
+        torch.testing.assert_close(sb[k], v, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in (part / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
 
 
@@ -223,3 +224,59 @@ def test_run_ends_with_the_student_as_an_hf_directory(setup, tmp_path):
     assert not list(tmp_path.glob("run/.hf*")), "partial export left behind"
     _train(_cfg(setup, tmp_path / "none", "opd", 1, "teacher.backend=megatron", "checkpoint.export_hf=false"))
     assert not (tmp_path / "none" / "hf").exists()
+
+
+def _legacy_save(trainer) -> None:
+    """The per-rank writer of megatron-opd before the torch_dist trainer state (format 1), kept here to make
+    such a checkpoint: the student's tensors, optimizer and this rank's distributed-optimizer shard inside."""
+    from megatron_opd.models.optimizer import unwrap
+    from megatron_opd.trainer.checkpoint import rng_state
+
+    opt = trainer.student.setup.optimizer
+    shards = []
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        shard = o.get_parameter_state_dp_reshardable()
+        for key, per_dtype in shard.items():
+            if isinstance(key, int):
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        shards.append(shard)
+    policy = {"model": {k: v for k, v in unwrap(trainer.student.model).state_dict().items()
+                        if isinstance(v, torch.Tensor)},
+              "optimizer": opt.state_dict(), "optimizer_shards": shards,
+              "scheduler": trainer.student.setup.scheduler.state_dict()}
+    state = {"policy": policy, "rng": rng_state(), "step": trainer.step, "weight_version": trainer.weight_version,
+             "beta_kl": trainer.beta_kl, "skipped_steps": trainer.skipped_steps,
+             "sampler": trainer.sampler.state_dict(), **trainer.guard.state_dict()}
+    trainer.ckpt.save(trainer.step, state, meta={"beta_kl": trainer.beta_kl})
+
+
+def test_checkpoint_of_the_per_rank_format_resumes_at_its_layout_and_is_refused_elsewhere(setup, tmp_path):
+    from megatron_opd.trainer.checkpoint import CheckpointManager
+    from megatron_opd.trainer.loop import Trainer
+
+    full, old = tmp_path / "full", tmp_path / "old"
+    _train(_cfg(setup, full, "opd", 2, "checkpoint.save_every=2"))
+    trainer = Trainer(_cfg(setup, old, "opd", 2, "checkpoint.save_every=100"))
+    try:
+        trainer.train(stop_after=1)
+        _legacy_save(trainer)
+    finally:
+        trainer.close()
+    step1 = old / "checkpoints" / "step_00000001"
+    assert json.loads((step1 / "meta.json").read_text()).get("format", 1) == 1 and not (step1 / "shared").exists()
+    resumed = _train(_cfg(setup, old, "opd", 2, "checkpoint.save_every=100"))
+    assert resumed.step == 2
+    a, b = read_metrics(full), read_metrics(old)
+    assert [r["step"] for r in b] == [1, 2]
+    for key in ("loss/pg_loss", "logp/student_mean", "logp/teacher_mean", "loss/grad_norm"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
+    # written by 2 ranks: refused on 1, with what to do
+    (step1 / "rank1.pt").write_bytes((step1 / "rank0.pt").read_bytes())
+    meta = json.loads((step1 / "meta.json").read_text())
+    (step1 / "meta.json").write_text(json.dumps({**meta, "world_size": 2}))
+    with pytest.raises(RuntimeError, match=r"per-rank format .* written by 2 ranks; it resumes only there .* "
+                                           r"Resume it once at its own layout"):
+        CheckpointManager(old / "checkpoints", world_size=1).load(1)

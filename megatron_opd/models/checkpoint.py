@@ -187,6 +187,99 @@ def load_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike) -
     load_megatron_state_dict(gpt, loaded)
 
 
+# The trainer's model + optimizer state (trainer/state.py): the distributed optimizer's Adam moments and fp32
+# main params in megatron's "fully_reshardable" form -- one tensor per parameter with its global shape -- so
+# that any TP/PP/DP layout and world size can load them.
+RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _gpt(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _allocate_adam_state(optimizer: Any) -> None:
+    """A fresh optimizer holds no Adam state yet; megatron's loaders need it allocated (on CPU too) and, for
+    torch's Adam (no TE/apex), a `step` per parameter. Loading overwrites all of it."""
+    for o in _optimizers(optimizer):
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
+def _load_optimizer(optimizer: Any, loaded: Any) -> None:
+    """megatron's load, minus one trap: for torch's Adam the distributed optimizer's fully-reshardable loader
+    copies every per-parameter state key, `step` included, which that format does not store (KeyError in
+    megatron-core 0.16-0.19). The step comes from the param groups; the moments are loaded without it."""
+    opts = _optimizers(optimizer)
+    states = [loaded] if len(opts) == 1 else [v for _, v in sorted(loaded.items())]
+    for o, st in zip(opts, states):
+        param_state = st.pop("param_state", None)
+        st.pop("param_state_sharding_type", None)
+        o.load_state_dict(st)
+        inner = getattr(o, "optimizer", None)
+        if param_state is not None:
+            steps = {p: s.pop("step", None) for p, s in inner.state.items()}
+            with torch.no_grad():
+                o.load_parameter_state_from_fully_reshardable(param_state)
+            for p, s in inner.state.items():
+                if steps.get(p) is not None:
+                    s["step"] = steps[p]
+        for s in getattr(inner, "state", {}).values():  # one step tensor per parameter, never shared
+            if isinstance(s.get("step"), torch.Tensor):
+                s["step"] = s["step"].clone()
+
+
+def save_training_state(model: torch.nn.Module, optimizer: Any, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: the model and (when given) its optimizer as one torch_dist checkpoint in `ckpt_dir` (an
+    existing empty directory), loadable at any layout (load_training_state)."""
+    msd = _gpt(model).sharded_state_dict()
+    state = {"model": msd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=False, metadata=RESHARDABLE)
+    dist_checkpointing.save(state, str(ckpt_dir))
+
+
+def load_training_state(model: torch.nn.Module, optimizer: Any, ckpt_dir: str | os.PathLike) -> None:
+    """Collective: `save_training_state`'s checkpoint, written at any TP/PP/DP, into this layout's shards."""
+    gpt = _gpt(model)
+    msd = gpt.sharded_state_dict()
+    state = {"model": msd}
+    if optimizer is not None:
+        _allocate_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=True, metadata=RESHARDABLE)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    load_megatron_state_dict(gpt, loaded["model"])
+    if optimizer is not None:
+        _load_optimizer(optimizer, loaded["optimizer"])
+
+
+def read_weights(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model tensors of a torch_dist checkpoint, whole (global shapes, by megatron's sharded keys), read
+    in this process without building a model: for comparing checkpoints."""
+    own = not dist.is_initialized()  # torch.distributed.checkpoint wants a group: a private one of one rank
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return {k: v for k, v in dist_checkpointing.load_plain_tensors(str(ckpt_dir)).items()
+                if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def is_dist_checkpoint(path: str | os.PathLike) -> bool:
+    return (Path(path) / "metadata.json").is_file() or (Path(path) / ".metadata").is_file()
+
+
 __all__ = ["CheckpointError", "HF_ASSETS_DIR", "META_FILE", "commit_partial", "copy_hf_assets", "hf_config_dict",
-           "load_model_checkpoint", "partial_dir", "prepare_partial", "read_checkpoint_meta",
-           "save_model_checkpoint"]
+           "is_dist_checkpoint", "load_model_checkpoint", "load_training_state", "partial_dir", "prepare_partial",
+           "read_checkpoint_meta", "read_weights", "save_model_checkpoint", "save_training_state"]

@@ -1,7 +1,12 @@
 """Atomic, resumable training checkpoints.
 
-A checkpoint is a directory `step_{N:08d}/` holding one `rank{R}.pt` per rank plus `meta.json`
-(written last, so a directory is *complete* when `meta.json` and every rank file it announces exist).
+A checkpoint is a directory `step_{N:08d}/` holding `shared/` (the student's weights and optimizer state as
+one megatron-core torch_dist checkpoint, written collectively in a form any TP/PP/DP layout and world size
+can load), one `rank{R}.pt` per rank (RNGs, sampler, guard, schedule: small) and `meta.json` (written last,
+with the layout that wrote it, so a directory is *complete* when `meta.json`, every rank file it announces
+and `shared/`'s metadata exist). Resuming at another layout takes the shared part resharded and rank 0's
+file for the rest. Checkpoints of format 1 (the per-rank student state of earlier versions) load only at
+the world size that wrote them.
 `latest` is a one-line text file naming the newest checkpoint, replaced atomically. Loading uses
 `weights_only=True`: nothing we did not write as plain tensors/containers can execute on load.
 
@@ -40,7 +45,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -49,6 +54,8 @@ LATEST = "latest"
 PAUSE_ENV = "MEGATRON_OPD_CKPT_PAUSE"
 PAUSE_FILE_ENV = "MEGATRON_OPD_CKPT_PAUSE_FILE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+FORMAT = 2
+SHARED = "shared"
 
 logger = logging.getLogger("megatron_opd.checkpoint")
 
@@ -114,7 +121,9 @@ def is_complete(path: Path) -> bool:
     """`meta.json` parses and every rank file it announces exists."""
     try:
         meta = json.loads((path / "meta.json").read_text())
-        return all((path / f"rank{r}.pt").is_file() for r in range(int(meta["world_size"])))
+        shared = int(meta.get("format", 1)) < 2 or any((path / SHARED / f).is_file()
+                                                         for f in ("metadata.json", ".metadata"))
+        return shared and all((path / f"rank{r}.pt").is_file() for r in range(int(meta["world_size"])))
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -164,11 +173,12 @@ class CheckpointManager:
     """Save / find / load step checkpoints under `root`, keeping the newest `keep_last`."""
 
     def __init__(self, root: str | Path, keep_last: int = 3, rank: int = 0, world_size: int = 1,
-                 barrier: Optional[Any] = None):
+                 barrier: Optional[Any] = None, layout: Optional[dict[str, int]] = None):
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self.layout = {"world_size": world_size, **(layout or {})}  # tp, pp, dp: who wrote the rank files
         self._barrier = barrier or (lambda: None)
 
     # -- finding ---------------------------------------------------------------------------------
@@ -223,8 +233,10 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None) -> Path:
-        """Write this rank's `state`; rank 0 finalises (rename, meta, latest, pruning) after a barrier."""
+    def save(self, step: int, state: dict[str, Any], meta: Optional[dict[str, Any]] = None,
+             write_shared: Optional[Callable[[Path], None]] = None) -> Path:
+        """Write this rank's `state`, and (collectively, every rank) `write_shared(dir)`'s torch_dist part; rank
+        0 finalises (rename, meta, latest, pruning) after a barrier."""
         final = _step_dir(self.root, step)
         tmp = self.root / f".tmp_step_{step:08d}"
         if self.rank == 0:
@@ -232,7 +244,11 @@ class CheckpointManager:
             if tmp.exists():
                 _remove_dir(tmp)
             tmp.mkdir()
+            if write_shared is not None:
+                (tmp / SHARED).mkdir()
         self._barrier()
+        if write_shared is not None:
+            write_shared(tmp / SHARED)
         payload = _to_safe(state)
         part = tmp / f"rank{self.rank}.pt"
         with open(part, "wb") as f:
@@ -241,7 +257,7 @@ class CheckpointManager:
             os.fsync(f.fileno())
         self._barrier()
         if self.rank == 0:
-            info = {"step": step, "world_size": self.world_size, **(meta or {})}
+            info = {"step": step, **self.layout, "format": FORMAT if write_shared is not None else 1, **(meta or {})}
             with open(tmp / "meta.json", "w") as f:
                 f.write(json.dumps(info, indent=1))
                 f.flush()
@@ -266,7 +282,10 @@ class CheckpointManager:
 
     # -- loading ---------------------------------------------------------------------------------
 
-    def load(self, step: Optional[int] = None) -> tuple[int, dict[str, Any]]:
+    def load(self, step: Optional[int] = None) -> tuple[int, dict[str, Any], Optional[Path]]:
+        """(step, this rank's state, the torch_dist dir of the shared part or None for a format-1 checkpoint).
+        At the layout that wrote it each rank reads its own file; at another layout every rank reads rank 0's
+        (the RNG states then are rank 0's: sampling is seeded per step, so the run goes on the same)."""
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -275,13 +294,22 @@ class CheckpointManager:
         if path is None:
             raise FileNotFoundError(f"checkpoint step {step} under {self.root}: missing or incomplete")
         meta = json.loads((path / "meta.json").read_text())
-        if meta["world_size"] != self.world_size:
-            raise RuntimeError(f"checkpoint {path} was written by {meta['world_size']} ranks; this run has "
-                               f"{self.world_size} (reshard with `megatron-opd convert`)")
-        state = torch.load(path / f"rank{self.rank}.pt", map_location="cpu", weights_only=True)
+        fmt = int(meta.get("format", 1))
+        written = {k: meta[k] for k in self.layout if k in meta}
+        same = written == self.layout
+        if fmt < 2 and meta["world_size"] != self.world_size:
+            raise RuntimeError(
+                f"checkpoint {path} is in the per-rank format of megatron-opd before the torch_dist trainer state "
+                f"and was written by {meta['world_size']} ranks; it resumes only there (this run has "
+                f"{self.world_size}). Resume it once at its own layout: its next save is layout-free, and any "
+                "TP/PP/DP layout or world size can resume from that one.")
+        state = torch.load(path / f"rank{self.rank if same else 0}.pt", map_location="cpu", weights_only=True)
         if "rng" in state and "numpy" in state["rng"]:
             state["rng"]["numpy"] = _from_safe_numpy_state(state["rng"]["numpy"])
-        return step, state
+        if not same and self.rank == 0:
+            logger.info("checkpoint %s was written at %s; resuming at %s (weights and optimizer resharded)", path,
+                        written, self.layout)
+        return step, state, (path / SHARED if fmt >= 2 else None)
 
     def _prune(self) -> None:
         """Keep the newest `keep_last` complete checkpoints by step number, and always the one `latest`

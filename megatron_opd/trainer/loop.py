@@ -90,8 +90,10 @@ class Trainer:
                                  controller_scores=self.scorer.controller_scores)
         root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
         world = dist.get_world_size() if dist.is_initialized() else 1
+        layout = {"tp": cfg.parallel.tensor_model_parallel_size, "pp": cfg.parallel.pipeline_model_parallel_size,
+                  "dp": self.dp_size}
         self.ckpt = CheckpointManager(root, cfg.checkpoint.keep_last, self.rank, world,
-                                      barrier=dist.barrier if world > 1 else None)
+                                      barrier=dist.barrier if world > 1 else None, layout=layout)
         self.log = RunLogger(self.out_dir, cfg.logging.tensorboard, cfg.logging.jsonl, enabled=self.rank == 0)
         self._last_payload: Optional[dict[str, Any]] = None
         if self.rank == 0:

@@ -8,12 +8,14 @@ serves PP=1 and PP>1; per-token quantities are produced on the last pipeline sta
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_opd.config import Config
+from megatron_opd.models.checkpoint import load_training_state, save_training_state
 from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
 from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
                                           mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
@@ -318,17 +320,20 @@ class MegatronPolicy:
     def iter_hf_weights(self):
         return iter_hf_weights(self.model, self.hf_config)
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"model": {k: v for k, v in unwrap(self.model).state_dict().items()
-                           if isinstance(v, torch.Tensor)}}
-        if self.setup is not None:
-            opt = self.setup.optimizer
-            state["optimizer"] = opt.state_dict()
-            # The distributed optimizer keeps Adam moments outside state_dict(); this rank's shard is
-            # saved as is (resume needs the same layout, which CheckpointManager enforces).
-            state["optimizer_shards"] = [_param_state(o) for o in _optimizers(opt)]
-            state["scheduler"] = self.setup.scheduler.state_dict()
-        return state
+    def save_shared(self, path: Path) -> None:
+        """Collective: weights and optimizer (Adam moments, fp32 main params) as one torch_dist checkpoint
+        that any TP/PP/DP layout and world size can load (models/checkpoint.py)."""
+        save_training_state(self.model, self.setup.optimizer if self.setup is not None else None, path)
+
+    def load_shared(self, path: Path) -> None:
+        load_training_state(self.model, self.setup.optimizer if self.setup is not None else None, path)
+
+    def scheduler_state(self) -> Optional[dict[str, Any]]:
+        return self.setup.scheduler.state_dict() if self.setup is not None else None
+
+    def load_scheduler_state(self, state: Optional[dict[str, Any]]) -> None:
+        if self.setup is not None and state is not None:
+            self.setup.scheduler.load_state_dict(state)
 
     def reset_to(self, hf_state_dict: dict[str, torch.Tensor]) -> None:
         """The policy as built from `hf_state_dict` (the initial student): its weights, and a fresh optimizer
@@ -340,6 +345,8 @@ class MegatronPolicy:
             self.setup = restart_optimizer(self.setup, self.cfg.optim, self.total_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint of the per-rank format (before torch_dist trainer state): this rank's own shard, so
+        only at the layout that wrote it."""
         missing, unexpected = unwrap(self.model).load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -361,22 +368,6 @@ def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_
     sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
                                    te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
     load_megatron_state_dict(model, sd)
-
-
-def _param_state(opt: Any) -> Optional[dict]:
-    """This rank's distributed-optimizer shard (None for a non-distributed optimizer, whose
-    state_dict() already holds everything). megatron-core 0.16's loader expects a `padding` flag
-    per entry that its getter does not write; we add it."""
-    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
-        return None
-    state = opt.get_parameter_state_dp_reshardable()
-    for key, per_dtype in state.items():
-        if isinstance(key, int):
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        entry.setdefault("padding", False)
-    return state
 
 
 def _unshare_adam_step(opt: Any) -> None:

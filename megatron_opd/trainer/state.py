@@ -1,7 +1,7 @@
 """The trainer's state on disk: save, restore (resume or rollback), and the HF export.
 
-A checkpoint (trainer/checkpoint.py: atomic, one file per rank) holds the student (weights and optimizer),
-the RNGs, the step, the weight version, beta_kl (a collapse action may have raised it), the prompt
+A checkpoint (trainer/checkpoint.py: atomic; the student's weights and optimizer as one torch_dist
+checkpoint that any layout can resume, the rest in one small file per rank) holds the schedule, the RNGs, the step, the weight version, beta_kl (a collapse action may have raised it), the prompt
 sampler, the guard (detector history, counters) and, under rollout.overlap, the next step's payload for
 an exact resume.
 """
@@ -24,14 +24,14 @@ EXPORT_META = "opd_meta.json"
 
 def save(trainer: Any) -> None:
     """Collective: checkpoint the trainer at its current step."""
-    state = {"policy": trainer.student.state_dict(), "rng": rng_state(), "step": trainer.step,
+    state = {"scheduler": trainer.student.scheduler_state(), "rng": rng_state(), "step": trainer.step,
              "weight_version": trainer.weight_version, "beta_kl": trainer.beta_kl,
              "skipped_steps": trainer.skipped_steps, "sampler": trainer.sampler.state_dict(),
              **trainer.guard.state_dict()}
     pending = trainer.rollouts.pending
     if trainer.rank == 0 and isinstance(pending, dict):  # rollout.overlap: the next step's rollouts
         state["next_payload"] = payload_state(pending)
-    trainer.ckpt.save(trainer.step, state, meta={"beta_kl": trainer.beta_kl})
+    trainer.ckpt.save(trainer.step, state, meta={"beta_kl": trainer.beta_kl}, write_shared=trainer.student.save_shared)
 
 
 def restore(trainer: Any, step: int, rollback: bool) -> tuple[int, list[int]]:
@@ -41,8 +41,12 @@ def restore(trainer: Any, step: int, rollback: bool) -> tuple[int, list[int]]:
     newer checkpoints a rollback abandons."""
     if rollback:
         trainer.rollouts.drop_next()
-    step, state = trainer.ckpt.load(step)
-    trainer.student.load_state_dict(state["policy"])
+    step, state, shared = trainer.ckpt.load(step)
+    if shared is not None:
+        trainer.student.load_shared(shared)
+        trainer.student.load_scheduler_state(state["scheduler"])
+    else:
+        trainer.student.load_state_dict(state["policy"])
     trainer.step, trainer.skipped_steps = int(state["step"]), int(state["skipped_steps"])
     trainer.beta_kl = float(state["beta_kl"])  # may exceed algo.beta_kl after raise_beta_kl / rollback
     dropped: list[int] = []
