@@ -111,6 +111,8 @@ def test_verdict_levels():
     assert verdict(-1.0, -0.5, rows(-0.4, 0.5, 0.6, 0.7))[0] == "at risk"  # preferred but paid < 0
     assert verdict(0.45, -0.5, rows(0.5, 0.5, 0.6, 0.7))[0] == "prone"  # the margin is on the copies' own A
     assert verdict(-0.45, 0.0, rows(-0.4, 0.5, 0.6, 0.7))[0] == "not prone"  # within the margin
+    assert verdict(-0.37, -19.3, rows(-0.7, 0.5, 0.5, 0.5))[0] == "at risk"  # copies unpaid, pushed to go on
+    assert verdict(-0.37, -0.5, rows(-0.7, 0.5, 0.5, 0.5))[0] == "not prone"
     assert verdict(float("nan"), 0.0, [])[0] == "none"
 
 

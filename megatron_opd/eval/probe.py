@@ -43,6 +43,7 @@ from megatron_opd.teacher.fidelity import check_pair
 from megatron_opd.teacher.hf import HFTeacher
 
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
+PUSH = 1.0  # nats: an EOS advantage below -PUSH is a push to keep writing (verdict)
 
 
 @dataclass
@@ -187,7 +188,10 @@ def verdict(adv_original: float, adv_eos: float, rows: list[CopyRow], margin: fl
     reinforced) and, besides, either that grows with each copy or the student's EOS gets an advantage below
     -margin where it stops (the teacher pays it to keep going). "at risk": the copies beat the original tokens by
     the margin but are still paid less than nothing; the loop closes only if training lifts the whole level
-    (the demo's 2-step burst: -0.47 on repeats vs -1.09). Otherwise "not prone"."""
+    (the demo's 2-step burst: -0.47 on repeats vs -1.09); also "at risk" when the student's EOS gets A < -1 where
+    it stops (p_T(EOS) < 0.37 p_S(EOS)): pushed to keep writing, a student can fill the room by repeating itself
+    even when the copies are not paid (the reproduction's first run: A on EOS -19.3, repetition from step 4).
+    Otherwise "not prone"."""
     if not rows or math.isnan(adv_original):
         return "none", "no verdict: no finished sample with a line to copy (raise --budget or --n)"
     gaps = [r.adv_inserted - adv_original for r in rows]
@@ -199,6 +203,8 @@ def verdict(adv_original: float, adv_eos: float, rows: list[CopyRow], margin: fl
         return "prone", f"PRONE to length inflation: {why}"
     if all(g > margin for g in gaps):
         return "at risk", f"AT RISK: the teacher prefers the copies to the original tokens but pays them < 0; {why}"
+    if adv_eos < -PUSH:
+        return "at risk", f"AT RISK: the teacher pays the student to keep writing where it stops; {why}"
     return "not prone", f"not prone: {why}"
 
 
