@@ -4,6 +4,7 @@ the project's arithmetic prompts, megatron student/reference/teacher, local roll
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,9 @@ def test_resume_reproduces_the_uninterrupted_run(setup, tmp_path):
     for k, v in sa.items():
         torch.testing.assert_close(sb[k], v, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in (part / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000003"]
+    # megatron's torch_dist writer would have started a Manager server process here, which a SIGKILLed rank
+    # leaves behind (Slurm then waits 60 s for the step's output to close): saving leaves no child process
+    assert not [p.name for p in multiprocessing.active_children() if "Manager" in p.name]
 
 
 def test_nonfinite_loss_or_grad_skips_the_update_and_is_counted(setup, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
 from megatron_opd.models.hf_io import write_safetensors_shards
@@ -36,6 +38,15 @@ FORMAT_VERSION = 1
 HF_ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                   "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja",
                   "chat_template.json")
+
+
+def _writer_without_a_server_process() -> None:
+    """megatron's torch_dist writer collects its results through a multiprocessing Manager, a server process it
+    starts on the first save and keeps. A rank killed by SIGKILL leaves that process behind, holding the job
+    step's output open (Slurm without cgroup tracking then waits 60 s before the job can end; elsewhere it
+    leaks). Our saves are synchronous: every put and get happens in this process, so a plain queue does."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 class CheckpointError(RuntimeError):
@@ -109,9 +120,8 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *
     `hf_assets_from` are copied to `hf_assets/`.
     """
     tmp = prepare_partial(ckpt_dir, overwrite=overwrite)
-    gpt = model
-    while hasattr(gpt, "module") and isinstance(gpt.module, torch.nn.Module):
-        gpt = gpt.module
+    gpt = _gpt(model)
+    _writer_without_a_server_process()
     dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp))
     if _rank() == 0:
         dtype = next(iter(gpt.parameters())).dtype
@@ -245,6 +255,7 @@ def save_training_state(model: torch.nn.Module, optimizer: Any, ckpt_dir: str | 
     state = {"model": msd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=False, metadata=RESHARDABLE)
+    _writer_without_a_server_process()
     dist_checkpointing.save(state, str(ckpt_dir))
 
 
