@@ -119,3 +119,26 @@ def test_pause_hook_only_fires_for_its_phase_and_step(tmp_path, monkeypatch):
     mgr.save(1, _state(1.0))
     mgr.save(1, _state(1.5))
     assert _value(mgr) == 1.5
+
+
+def test_rank_files_at_the_writing_layout_and_rank0s_at_another(tmp_path):
+    """Each rank reads its own file where the layout is the writer's (a format-1 checkpoint records only its
+    world size), rank 0's at another layout (format 2: the shared part carries the student)."""
+    import json
+
+    d = tmp_path / "step_00000001"
+    d.mkdir()
+    for r in (0, 1):
+        torch.save({"r": r}, d / f"rank{r}.pt")
+    (d / "meta.json").write_text(json.dumps({"step": 1, "world_size": 2}))
+    (tmp_path / "latest").write_text("step_00000001\n")
+    legacy = CheckpointManager(tmp_path, rank=1, world_size=2, layout={"tp": 2, "pp": 1, "dp": 1})
+    step, state, shared = legacy.load(1)
+    assert (step, state["r"], shared) == (1, 1, None)
+    (d / "shared").mkdir()
+    (d / "shared" / "metadata.json").write_text("{}")
+    (d / "meta.json").write_text(json.dumps({"step": 1, "world_size": 2, "tp": 2, "pp": 1, "dp": 1, "format": 2}))
+    assert legacy.load(1)[1]["r"] == 1
+    swapped = CheckpointManager(tmp_path, rank=1, world_size=2, layout={"tp": 1, "pp": 1, "dp": 2})
+    _, state, shared = swapped.load(1)
+    assert state["r"] == 0 and shared == d / "shared"

@@ -296,7 +296,8 @@ class CheckpointManager:
         meta = json.loads((path / "meta.json").read_text())
         fmt = int(meta.get("format", 1))
         written = {k: meta[k] for k in self.layout if k in meta}
-        same = written == self.layout
+        # format 1 recorded the world size only, and its rank files hold each rank's own shard
+        same = written == self.layout if fmt >= 2 else meta["world_size"] == self.world_size
         if fmt < 2 and meta["world_size"] != self.world_size:
             raise RuntimeError(
                 f"checkpoint {path} is in the per-rank format of megatron-opd before the torch_dist trainer state "
