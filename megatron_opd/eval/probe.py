@@ -148,10 +148,12 @@ def measure_copies(samples: list[Sample], student: Teacher, teacher: Teacher, nl
                    max_copies: int) -> tuple[dict[str, float], list[CopyRow], int]:
     """(a) and (b) over the finished samples -> ({adv_original, p_eos_teacher, p_eos_student, adv_eos} at the
     end of the originals, one row per k, the number of finished samples measured)."""
-    variants = [v for s in samples if not s.truncated
-                for v in (copy_variants(list(s.response_ids), nl, sep, max_copies) or [])]
-    prompts = [s.prompt_ids for s in samples if not s.truncated
-               for _ in range(max_copies + 1) if copy_variants(list(s.response_ids), nl, sep, 0)]
+    variants, prompts = [], []
+    for s in samples:
+        made = None if s.truncated else copy_variants(list(s.response_ids), nl, sep, max_copies)
+        for v in made or []:
+            variants.append(v)
+            prompts.append(s.prompt_ids)
     if not variants:
         return dict.fromkeys(("adv_original", "p_eos_teacher", "p_eos_student", "adv_eos"), math.nan), [], 0
     seqs = [v.tokens for v in variants]
