@@ -243,9 +243,16 @@ def _load_optimizer(optimizer: Any, loaded: Any) -> None:
             for p, s in inner.state.items():
                 if steps.get(p) is not None:
                     s["step"] = steps[p]
-        for s in getattr(inner, "state", {}).values():  # one step tensor per parameter, never shared
-            if isinstance(s.get("step"), torch.Tensor):
-                s["step"] = s["step"].clone()
+        unshare_adam_step(o)
+
+
+def unshare_adam_step(opt: Any) -> None:
+    """megatron-core's DistributedOptimizer.load_state_dict (no apex/TE) gives every param one shared `step`
+    tensor; torch.optim.Adam then adds 1 per param per step and bias correction goes wrong after a resume.
+    Give each param its own copy."""
+    for s in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+        if isinstance(s.get("step"), torch.Tensor):
+            s["step"] = s["step"].clone()
 
 
 def save_training_state(model: torch.nn.Module, optimizer: Any, ckpt_dir: str | os.PathLike) -> None:
@@ -287,10 +294,7 @@ def read_weights(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
             dist.destroy_process_group()
 
 
-def is_dist_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / "metadata.json").is_file() or (Path(path) / ".metadata").is_file()
-
-
 __all__ = ["CheckpointError", "HF_ASSETS_DIR", "META_FILE", "commit_partial", "copy_hf_assets", "hf_config_dict",
-           "is_dist_checkpoint", "load_model_checkpoint", "load_training_state", "partial_dir", "prepare_partial",
-           "read_checkpoint_meta", "read_weights", "save_model_checkpoint", "save_training_state"]
+           "load_model_checkpoint", "load_training_state", "partial_dir", "prepare_partial",
+           "read_checkpoint_meta", "read_weights", "save_model_checkpoint", "save_training_state",
+           "unshare_adam_step"]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.config import Config
-from megatron_opd.models.checkpoint import load_training_state, save_training_state
+from megatron_opd.models.checkpoint import load_training_state, save_training_state, unshare_adam_step
 from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
 from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
                                           mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
@@ -358,7 +358,7 @@ class MegatronPolicy:
                 if shard is not None:
                     with torch.no_grad():  # fp32 main params are views of the model's leaf params
                         o.load_parameter_state_from_dp_reshardable(shard)
-                _unshare_adam_step(o)
+                unshare_adam_step(o)
             self.setup.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -368,16 +368,6 @@ def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_
     sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
                                    te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
     load_megatron_state_dict(model, sd)
-
-
-def _unshare_adam_step(opt: Any) -> None:
-    """megatron-core 0.16's DistributedOptimizer.load_state_dict (no apex/TE) gives every param one
-    shared `step` tensor; torch.optim.Adam then adds 1 per param per step and bias correction goes
-    wrong after resume. Give each param its own copy."""
-    inner = getattr(opt, "optimizer", None)
-    for st in getattr(inner, "state", {}).values():
-        if isinstance(st.get("step"), torch.Tensor):
-            st["step"] = st["step"].clone()
 
 
 def _optimizers(opt: Any) -> list[Any]:
