@@ -221,6 +221,10 @@ class TrainConfig:
     # formed by length up to this many padded tokens (rows x longest row) instead of micro_batch_size rows;
     # the loss normalisation is unchanged (null: fixed micro_batch_size; docs/scaling.md)
     max_tokens_per_microbatch: Optional[int] = None
+    # packing: rows share sequences of up to max_tokens_per_microbatch tokens, attention kept within each row
+    # (THD on Transformer Engine, a block-diagonal causal mask on the local spec); training and the student,
+    # reference and teacher scoring passes (docs/scaling.md)
+    pack_sequences: bool = False
     # pi_old from the training forward (detached) when a step makes exactly one update: ppo_epochs=1, one
     # minibatch, no adv_normalize, no dropout (trainer/learner.py `reuse_old_logp`); saves a student forward
     reuse_old_logp: bool = True
@@ -552,6 +556,8 @@ def validate(cfg: Config) -> None:
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     need(t.max_tokens_per_microbatch is None or t.max_tokens_per_microbatch >= 2, "train.max_tokens_per_microbatch",
          f"must be >= 2 (or null), got {t.max_tokens_per_microbatch}")
+    need(not t.pack_sequences or t.max_tokens_per_microbatch is not None, "train.pack_sequences",
+         "needs train.max_tokens_per_microbatch (the packed sequences' length)")
     need(t.max_rollbacks >= 0, "train.max_rollbacks", f"must be >= 0, got {t.max_rollbacks}")
     need(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     need(cfg.checkpoint.save_every >= 1, "checkpoint.save_every", "must be >= 1")

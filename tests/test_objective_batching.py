@@ -457,7 +457,8 @@ def test_micro_batches_are_balanced_and_trimmed_per_micro_batch():
 
     items = [SequenceItem([1, 2], [3] * (2 if i < 5 else 9)) for i in range(10)]
     batch = build_batch(items, 0)
-    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8, max_tokens_per_microbatch=None),
+    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=8, max_tokens_per_microbatch=None,
+                                                                           pack_sequences=False),
                                                parallel=SimpleNamespace(pipeline_model_parallel_size=1)),
                            student=SimpleNamespace(seq_multiple=1))
     parts = Learner.micro_batches(fake, batch, list(range(10)))

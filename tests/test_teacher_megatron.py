@@ -16,13 +16,14 @@ RESPONSES = [[40, 41, 2], [50], [60, 61, 62, 63, 64], [], [1, 2]]
 TOP_K = 4
 
 
-def _worker(rank: int, world: int, path: str, tp: int, pp: int, mbs: int) -> list[dict]:
+def _worker(rank: int, world: int, path: str, tp: int, pp: int, mbs: int, max_tokens: int | None = None,
+            pack: bool = False) -> list[dict]:
     from megatron_opd.models.parallel import destroy_parallel, init_parallel
     from megatron_opd.teacher.megatron import MegatronTeacher
 
     init_parallel(tp=tp, pp=pp, backend="gloo")
     try:
-        teacher = MegatronTeacher.from_hf(path, micro_batch_size=mbs)
+        teacher = MegatronTeacher.from_hf(path, micro_batch_size=mbs, max_tokens=max_tokens, pack=pack)
         scores = teacher.score(PROMPTS, RESPONSES, top_k=TOP_K)
         # plain lists: tensors through the queue share fds that die with the worker process
         return [{"lp": s.logprobs.tolist(), "ids": s.topk_ids.tolist(), "tlp": s.topk_logprobs.tolist()}
@@ -44,6 +45,20 @@ def _check(results: list[list[dict]], path) -> None:
 def test_megatron_teacher_matches_hf_single_rank(tmp_path, family):
     make_tiny_hf_model(family, out_dir=tmp_path, seed=3)
     _check(run_distributed(_worker, 1, str(tmp_path), 1, 1, 2), tmp_path)
+
+
+@pytest.mark.parametrize("batching", [(10, False), (12, True), (100, True)], ids=["budget10", "packed12", "packed-all"])
+def test_megatron_teacher_batched_by_tokens_matches_hf(tmp_path, batching):
+    """Forwards formed by length (dynamic batching) or packed (several sequences per row, attention kept
+    inside each: a block-diagonal causal mask on the local spec) score exactly what HF scores per row."""
+    make_tiny_hf_model("qwen2", out_dir=tmp_path, seed=3)
+    _check(run_distributed(_worker, 1, str(tmp_path), 1, 1, 2, *batching), tmp_path)
+
+
+def test_megatron_teacher_packed_pp2_matches_hf(tmp_path):
+    """Packed under PP=2: every packed row padded to one shape for the pipeline's exchange."""
+    make_tiny_hf_model("llama", out_dir=tmp_path, seed=5)
+    _check(run_distributed(_worker, 2, str(tmp_path), 1, 2, 2, 12, True), tmp_path)
 
 
 @pytest.mark.slow

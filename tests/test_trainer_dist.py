@@ -31,17 +31,20 @@ def models(tmp_path_factory):
 
 
 BUDGET = "train.max_tokens_per_microbatch=400"  # rows of ~190 tokens: micro-batches of 1 and 2 rows
+PACK = "train.pack_sequences=true"  # two rows per packed sequence
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", [(2, 1, ()), (1, 1, ()), (1, 1, (BUDGET,)),
-                                    (1, 2, (BUDGET, "teacher.backend=hf", "teacher.pipeline_model_parallel_size=1"))],
-                         ids=["tp2", "dp2", "dp2-dynamic", "pp2-dynamic"])
+                                    (1, 2, (BUDGET, "teacher.backend=hf", "teacher.pipeline_model_parallel_size=1")),
+                                    (2, 1, (BUDGET, PACK)),
+                                    (1, 2, (BUDGET, PACK, "teacher.backend=hf", "teacher.pipeline_model_parallel_size=1"))],
+                         ids=["tp2", "dp2", "dp2-dynamic", "pp2-dynamic", "tp2-packed", "pp2-packed"])
 def test_two_rank_training_matches_single_process(models, tmp_path, layout):
     """Losses, gradient norm and every health metric equal the single-process run's: the metrics are computed
     over all ranks' rows (before: a mean of the data-parallel ranks' means, so per-token means differed), and
     dynamic batching (micro-batches formed by length, of different sizes per rank; one size per micro-batch
-    under PP) changes none of them."""
+    under PP) and packing (two rows per sequence, under TP and PP) change none of them."""
     tp, pp, extra = layout
     root, student, teacher, data = models
     single = tmp_path / "single"

@@ -145,18 +145,22 @@ def test_micro_batches_accumulate_to_the_whole_minibatch(setup, tmp_path, mode):
     extra = [f"algo.{flag}=true"] if flag else []
     runs = {}
     for name, batching in (("mbs1", ["train.micro_batch_size=1"]), ("mbs8", ["train.micro_batch_size=8"]),
-                           ("budget", ["train.micro_batch_size=8", "train.max_tokens_per_microbatch=400"])):
+                           ("budget", ["train.micro_batch_size=8", "train.max_tokens_per_microbatch=400"]),
+                           ("packed", ["train.micro_batch_size=8", "train.max_tokens_per_microbatch=400",
+                                       "train.pack_sequences=true"])):
         out = tmp_path / name
         _train(_cfg(setup, out, "stable_opd", 2, "teacher.backend=megatron", *batching,
                     f"algo.loss_agg_mode={mode}", "checkpoint.save_every=2", *extra))
         runs[name] = read_metrics(out)
-    for r1, r8, rb in zip(runs["mbs1"], runs["mbs8"], runs["budget"]):
+    for r1, r8, rb, rp in zip(runs["mbs1"], runs["mbs8"], runs["budget"], runs["packed"]):
         for key in ("loss/total_loss", "loss/pg_loss", "loss/kl", "loss/golden_loss", "loss/grad_norm",
                     "rollout/response_len_mean", "logp/teacher_mean", "logp/ref_mean"):
             assert r1[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (r1["step"], key)
             assert rb[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (rb["step"], key, "dynamic batching")
+            assert rp[key] == pytest.approx(r8[key], rel=1e-4, abs=1e-7), (rp["step"], key, "packed")
         # 5 rows of 186-193 tokens: 400 tokens hold two of them (groups of 2, 2, 1); one micro-batch pads to 193
         assert 0 <= rb["batch/padding_fraction"] < r8["batch/padding_fraction"] < 1
+        assert rp["batch/padding_fraction"] == 0  # packed rows are as long as their tokens
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -11,11 +11,9 @@ TP ranks and each rank owns the gradient of its own vocab shard.
 Vocab padding: megatron pads the vocabulary (``weight_mapping.padded_vocab_size``); columns at or
 beyond the real ``vocab_size`` are masked out of every softmax here.
 
-Sequence packing: megatron's local layer spec rejects ``PackedSeqParams`` (THD) in its
-DotProductAttention (checked on 0.16.1), so on CPU variable-length rollouts are right-padded
-``[B, S]`` batches. With a causal mask, trailing padding cannot influence earlier positions, so no
-extra mask is needed (tests check padding leaves log-probs unchanged). ``forward_logprobs`` passes
-``packed_seq_params`` through for the TE spec on GPU.
+Padding: right-padded ``[B, S]`` rows need no mask (under a causal mask trailing padding cannot
+influence earlier positions; tests check it). Packed rows (several sequences in one) pass the
+``attention_mask`` or ``packed_seq_params`` of ``models.packing``.
 """
 
 from __future__ import annotations
@@ -345,7 +343,7 @@ def forward_backward(
 
     Each microbatch is a dict with ``input_ids`` [b, S] (with pipeline parallelism every microbatch the
     same b; without, megatron's schedule ignores the shape, so sizes may differ: dynamic batching), optional
-    ``position_ids`` / ``attention_mask``, and whatever ``loss_fn`` needs; every rank of a TP/PP group
+    ``position_ids`` / ``attention_mask`` / ``packed_seq_params`` (packed rows: `models.packing`), and whatever ``loss_fn`` needs; every rank of a TP/PP group
     passes the same list. On the last stage ``loss_fn(logits [b, S, V/tp], microbatch)`` returns
     ``(scalar loss, dict of tensors to report)``; megatron averages the loss over microbatches before
     backward. Returns the reported dicts (last pipeline stage; ``[]`` elsewhere). Works for PP=1 too.
@@ -372,8 +370,9 @@ def forward_backward(
         pos = mb.get("position_ids")
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        extra = {"packed_seq_params": mb["packed_seq_params"]} if mb.get("packed_seq_params") is not None else {}
         with logit_rows(mdl, mb.get("logit_rows")):
-            out = mdl(ids, pos, mb.get("attention_mask"))
+            out = mdl(ids, pos, mb.get("attention_mask"), **extra)
 
         def loss_func(output_tensor: torch.Tensor):
             return loss_fn(output_tensor, mb)

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
 from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
+from megatron_opd.models.packing import budget_groups, pack_groups, packed_inputs
 from megatron_opd.models.parallel import is_pipeline_last_stage, model_parallel_coords, pipeline_group
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_hf_state_dict, load_megatron_state_dict
 from megatron_opd.rollout.base import eos_ids_from
@@ -76,9 +77,12 @@ class MegatronTeacher:
     `score` is collective over the teacher's model-parallel group: its ranks pass the same inputs."""
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, eos_token_ids: list[int], micro_batch_size: int = 8,
-                 pad_token_id: int = 0, layout: Optional[Any] = None):
+                 pad_token_id: int = 0, layout: Optional[Any] = None, max_tokens: Optional[int] = None,
+                 pack: bool = False, thd: bool = False):
         if micro_batch_size < 1:
             raise ValueError(f"teacher.micro_batch_size: must be >= 1, got {micro_batch_size}")
+        if pack and not max_tokens:
+            raise ValueError("MegatronTeacher: pack needs max_tokens (train.max_tokens_per_microbatch)")
         self.model = model
         self.hf_config = hf_config
         self.vocab_size = int(hf_config.vocab_size)
@@ -87,6 +91,9 @@ class MegatronTeacher:
         self.pad_token_id = pad_token_id
         self.topk_id_limit: Optional[int] = None  # teacher/fidelity.py topk_id_limit: ids the student has
         self.layout = layout
+        # forwards as the trainer's (train.max_tokens_per_microbatch / pack_sequences): rows grouped by length
+        # up to max_tokens padded tokens, or packed into sequences of up to max_tokens (THD on TE, else a mask)
+        self.max_tokens, self.pack, self.thd = max_tokens, pack, thd
 
     @classmethod
     def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
@@ -106,7 +113,46 @@ class MegatronTeacher:
                                        vocab_padded=model.vocab_size)
         load_megatron_state_dict(model, sd)
         kwargs.setdefault("eos_token_ids", eos_ids_from(p))
+        kwargs.setdefault("thd", resolve_layer_spec(layer_spec) == "te")
         return cls(model, cfg, micro_batch_size=micro_batch_size, layout=layout, **kwargs)
+
+    def _groups(self, lengths: list[int]) -> list[list[int]]:
+        rows = list(range(len(lengths)))
+        if self.pack:
+            return pack_groups(lengths, rows, self.max_tokens)
+        if self.max_tokens:
+            return budget_groups(lengths, rows, self.max_tokens)
+        return [rows[s:s + self.micro_batch_size] for s in range(0, len(rows), self.micro_batch_size)]
+
+    def _micro_batches(self, seqs: list[list[int]], pipelined: bool) -> tuple[list[dict], list[tuple[int, int, int]]]:
+        """The forwards' inputs and, per sequence, (micro-batch, row, offset) of its tokens. Under pipeline
+        parallelism every micro-batch takes one shape (megatron's schedule exchanges one tensor shape)."""
+        lengths = [len(s) for s in seqs]
+        groups = self._groups(lengths)
+        rows = 1 if self.pack else max(len(g) for g in groups)
+        width = max(sum(lengths[i] for i in g) if self.pack else max(lengths[i] for i in g) for g in groups)
+        where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(seqs)
+        micro = []
+        for j, g in enumerate(groups):
+            b = rows if pipelined else (1 if self.pack else len(g))
+            S = width if pipelined else (sum(lengths[i] for i in g) if self.pack else max(lengths[i] for i in g))
+            ids = torch.full((b, S), self.pad_token_id, dtype=torch.long)
+            seg = torch.full((b, S), -1, dtype=torch.long)
+            pos = torch.zeros((b, S), dtype=torch.long)
+            at = 0
+            for k, i in enumerate(g):
+                n = lengths[i]
+                r, o = (0, at) if self.pack else (k, 0)
+                ids[r, o:o + n] = torch.tensor(seqs[i])
+                seg[r, o:o + n] = k
+                pos[r, o:o + n] = torch.arange(n)
+                where[i] = (j, r, o)
+                at += n
+            mb = {"input_ids": ids, "position_ids": pos}
+            if self.pack:
+                mb.update(packed_inputs(seg, self.thd))
+            micro.append(mb)
+        return micro, where
 
     @torch.no_grad()
     def score(self, prompts: list[list[int]], responses: list[list[int]], top_k: int = 0) -> list[TeacherScore]:
@@ -115,17 +161,16 @@ class MegatronTeacher:
         if n == 0:
             return []
         seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        width = max(len(s) for s in seqs)
-        mbs = self.micro_batch_size
-        rows = -(-n // mbs) * mbs  # megatron's schedule needs equal micro-batches: pad with dummy rows
-        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        for i, s in enumerate(seqs):  # right padding; causal attention keeps real positions exact
-            ids[i, :len(s)] = torch.tensor(s)
-        device = next(self.model.parameters()).device
-        ids = ids.to(device)
-        targets = torch.roll(ids, -1, dims=1)
-        targets[:, -1] = 0
         lay = self.layout
+        pp_size = lay.pp if lay is not None else model_parallel_coords()[3]
+        device = next(self.model.parameters()).device
+        micro, where = self._micro_batches(seqs, pipelined=pp_size > 1)
+        for mb in micro:
+            mb["input_ids"] = mb["input_ids"].to(device)
+            mb["position_ids"] = mb["position_ids"].to(device)
+            targets = torch.roll(mb["input_ids"], -1, dims=1)
+            targets[:, -1] = 0
+            mb["targets"] = targets
         tp_group = (lay.groups.tp if lay.tp > 1 else None) if lay is not None else default_tp_group()
         K = top_k
 
@@ -139,21 +184,23 @@ class MegatronTeacher:
                 rep["topk_ids"], rep["topk_lp"] = tid.reshape(b, s, K), tlp.reshape(b, s, K)
             return lp.sum() * 0.0, rep
 
-        micro = [{"input_ids": ids[s:s + mbs], "targets": targets[s:s + mbs]} for s in range(0, rows, mbs)]
         reports = forward_backward(self.model, micro, loss_fn, forward_only=True, layout=lay)
 
-        logp = torch.empty(rows, width, dtype=torch.float32, device=device)
-        topk_ids = torch.empty(rows, width, K, dtype=torch.long, device=device) if K else None
-        topk_lp = torch.empty(rows, width, K, dtype=torch.float32, device=device) if K else None
+        T = max(1, max(len(r) for r in responses))
+        logp = torch.zeros(n, T, dtype=torch.float32, device=device)
+        topk_ids = torch.zeros(n, T, K, dtype=torch.long, device=device) if K else None
+        topk_lp = torch.zeros(n, T, K, dtype=torch.float32, device=device) if K else None
         last = lay.is_last_stage if lay is not None else is_pipeline_last_stage()
         if last:
             if len(reports) != len(micro):
                 raise RuntimeError(f"MegatronTeacher: {len(reports)} reports for {len(micro)} micro-batches")
-            logp.copy_(torch.cat([r["logp"] for r in reports]))
-            if K:
-                topk_ids.copy_(torch.cat([r["topk_ids"] for r in reports]))
-                topk_lp.copy_(torch.cat([r["topk_lp"] for r in reports]))
-        pp_size = lay.pp if lay is not None else model_parallel_coords()[3]
+            for i, (p, r) in enumerate(zip(prompts, responses)):
+                j, row, o = where[i]
+                sl = slice(o + len(p) - 1, o + len(p) - 1 + len(r))
+                logp[i, :len(r)] = reports[j]["logp"][row, sl]
+                if K:
+                    topk_ids[i, :len(r)] = reports[j]["topk_ids"][row, sl]
+                    topk_lp[i, :len(r)] = reports[j]["topk_lp"][row, sl]
         if pp_size > 1:
             group = lay.groups.pp if lay is not None else pipeline_group()
             src = dist.get_global_rank(group, pp_size - 1)
@@ -162,12 +209,10 @@ class MegatronTeacher:
                     dist.broadcast(t, src=src, group=group)
 
         out = []
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            P, T = len(p), len(r)
-            sl = slice(P - 1, P - 1 + T)
-            sc = TeacherScore(logprobs=logp[i, sl].cpu())
+        for i, r in enumerate(responses):
+            sc = TeacherScore(logprobs=logp[i, :len(r)].cpu())
             if K:
-                sc.topk_ids, sc.topk_logprobs = topk_ids[i, sl].cpu(), topk_lp[i, sl].cpu()
+                sc.topk_ids, sc.topk_logprobs = topk_ids[i, :len(r)].cpu(), topk_lp[i, :len(r)].cpu()
             out.append(sc)
         return validate_scores(out, responses, top_k, source="MegatronTeacher")
 

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from megatron_opd.models.packing import budget_groups, pack_groups, round_up
+
 
 @dataclass
 class SequenceItem:
@@ -38,6 +40,10 @@ class TrainBatch:
     ref_logits: Optional[torch.Tensor] = None  # [N, V/tp] reference logits of the N valid tokens (full KL;
     # model dtype, set on a micro-batch just before its forward and dropped after its loss)
     source_rows: Optional[torch.Tensor] = None  # [B] a micro-batch's rows in its step batch (-1: padding row)
+    # packed micro-batches (`pack_rows`): `tokens` is [P, L] with several rows per sequence; row b's tokens
+    # are in tokens[token_row[b]] and `segment_ids` [P, L] says which row owns each position (-1: padding)
+    token_row: Optional[torch.Tensor] = None
+    segment_ids: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -53,7 +59,11 @@ class TrainBatch:
             response_ids=mv(self.response_ids), response_mask=mv(self.response_mask), is_golden=mv(self.is_golden),
             truncated=mv(self.truncated), behaviour_logp=mv(self.behaviour_logp),
             extras={k: mv(v) for k, v in self.extras.items()}, ref_logits=mv(self.ref_logits),
-            source_rows=mv(self.source_rows))
+            source_rows=mv(self.source_rows), token_row=mv(self.token_row), segment_ids=mv(self.segment_ids))
+
+    @property
+    def packed(self) -> bool:
+        return self.token_row is not None
 
     def response_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(b, t, pos) of the N valid response tokens in row-major order: `pos = response_index[b, t]` is
@@ -61,8 +71,15 @@ class TrainBatch:
         b_idx, t_idx = self.response_mask.nonzero(as_tuple=True)
         return b_idx, t_idx, self.response_index[b_idx, t_idx]
 
+    def token_rows(self, b_idx: torch.Tensor) -> torch.Tensor:
+        """The rows of `tokens` (and of the model's [P, L] output) that hold rows `b_idx`: themselves,
+        unless the batch is packed."""
+        return b_idx if self.token_row is None else self.token_row.to(b_idx.device)[b_idx]
+
     def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
         """A sub-batch (minibatch) with the same layout; T and L are trimmed to what the rows need."""
+        if self.packed:
+            raise ValueError("TrainBatch.select: a packed micro-batch cannot be re-selected; select from the step batch")
         rows = torch.as_tensor(rows, dtype=torch.long)
         mask = self.response_mask[rows]
         t_max = int(mask.sum(1).max().item()) if mask.numel() else 0
@@ -76,10 +93,6 @@ class TrainBatch:
             is_golden=self.is_golden[rows], truncated=self.truncated[rows],
             behaviour_logp=None if self.behaviour_logp is None else self.behaviour_logp[rows, :t_max],
             extras={k: v[rows, :t_max] if v.dim() >= 2 else v[rows] for k, v in self.extras.items()})
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def seq_len_multiple(fp8: Optional[str] = None, tp: int = 1, sequence_parallel: bool = False) -> int:
@@ -180,25 +193,6 @@ def row_lengths(batch: TrainBatch) -> list[int]:
     return [max(int(v) + 2, 2) for v in last]
 
 
-def budget_groups(lengths: list[int], rows: list[int], max_tokens: int, seq_multiple: int = 1) -> list[list[int]]:
-    """`rows` grouped by length so that each group's padded size (rows x its longest row, rounded up to
-    `seq_multiple`) stays within `max_tokens`: longest rows first, a group closed when the next row would
-    overflow it. A row longer than the budget on its own is a group of one. Each group in `rows` order."""
-    order = {r: i for i, r in enumerate(rows)}
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for r in sorted(rows, key=lambda r: (-lengths[r], order[r])):
-        grown = round_up(max(longest, lengths[r]), seq_multiple) * (len(cur) + 1)
-        if cur and grown > max_tokens:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(r)
-        longest = max(longest, lengths[r])
-    if cur:
-        groups.append(cur)
-    return [sorted(g, key=order.__getitem__) for g in groups]
-
 
 def budget_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, seq_multiple: int = 1,
                          own_length: bool = True) -> list[TrainBatch]:
@@ -235,3 +229,63 @@ def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: in
     longest = round_up(max(p.tokens.shape[1] for p in parts), seq_multiple)
     return [pad_batch(part, size, round_up(part.tokens.shape[1], seq_multiple) if own_length else longest)
             for part in parts]
+
+
+
+def pack_rows(batch: TrainBatch, rows: list[int], length: Optional[int] = None, seq_multiple: int = 1) -> TrainBatch:
+    """`rows` of `batch` as one packed sequence [1, L]: their real tokens back to back, each row's
+    positions from 0, `segment_ids` telling the rows apart (attention must not cross them: the model
+    gets a block-diagonal causal mask, or THD `PackedSeqParams` on Transformer Engine). The per-row
+    fields keep the response layout [len(rows), T], with `response_index` pointing into the packed row.
+    L is the rows' total rounded up to `seq_multiple`, or `length` (the same shape for every micro-batch
+    under pipeline parallelism)."""
+    lengths = row_lengths(batch)
+    part = batch.select(rows)
+    lens = [lengths[r] for r in rows]
+    total = sum(lens)
+    L = round_up(total, seq_multiple) if length is None else length
+    if L < total:
+        raise ValueError(f"pack_rows: {total} tokens do not fit a sequence of {L}")
+    tokens = torch.zeros((1, L), dtype=part.tokens.dtype)
+    positions = torch.zeros((1, L), dtype=torch.long)
+    segments = torch.full((1, L), -1, dtype=torch.long)
+    offsets = []
+    at = 0
+    for i, n in enumerate(lens):
+        tokens[0, at:at + n] = part.tokens[i, :n]
+        positions[0, at:at + n] = torch.arange(n)
+        segments[0, at:at + n] = i
+        offsets.append(at)
+        at += n
+    off = torch.as_tensor(offsets, dtype=torch.long)[:, None]
+    response_index = torch.where(part.response_mask, part.response_index + off, off)
+    return TrainBatch(
+        tokens=tokens, position_ids=positions, response_index=response_index, response_ids=part.response_ids,
+        response_mask=part.response_mask, is_golden=part.is_golden, truncated=part.truncated,
+        behaviour_logp=part.behaviour_logp, extras=part.extras, source_rows=torch.as_tensor(rows, dtype=torch.long),
+        token_row=torch.zeros(len(rows), dtype=torch.long), segment_ids=segments)
+
+
+def pack_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, seq_multiple: int = 1,
+                       own_length: bool = True) -> list[TrainBatch]:
+    """Packing: `rows` as packed sequences of at most `max_tokens` real tokens each (`pack_groups`,
+    `pack_rows`). With `own_length` (PP=1) each is as long as its rows; under PP>1 all take the longest."""
+    lengths = row_lengths(batch)
+    groups = pack_groups(lengths, rows, max_tokens)
+    longest = round_up(max(sum(lengths[r] for r in g) for g in groups), seq_multiple)
+    return [pack_rows(batch, g, None if own_length else longest, seq_multiple) for g in groups]
+
+
+
+def plan_micro_batches(batch: TrainBatch, rows: list[int], *, micro_batch_size: int, max_tokens: Optional[int] = None,
+                       pack: bool = False, seq_multiple: int = 1, own_length: bool = True) -> list[TrainBatch]:
+    """The micro-batches of `rows`, each with `source_rows`: packed sequences of up to `max_tokens` tokens
+    (`pack`), rows grouped by length up to `max_tokens` padded tokens (dynamic batching), or
+    `micro_batch_size` rows each. `own_length` False (PP>1): one shape for all."""
+    if pack:
+        if not max_tokens:
+            raise ValueError("packing needs a token budget (train.max_tokens_per_microbatch)")
+        return pack_micro_batches(batch, rows, max_tokens, seq_multiple, own_length=own_length)
+    if max_tokens:
+        return budget_micro_batches(batch, rows, max_tokens, seq_multiple, own_length=own_length)
+    return split_micro_batches(batch, rows, micro_batch_size, seq_multiple, own_length=own_length)

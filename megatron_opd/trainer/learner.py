@@ -17,7 +17,7 @@ from megatron_opd.algo.advantages import compute_advantages, whitening_stats
 from megatron_opd.algo.objective import stable_opd_loss, term_masks
 from megatron_opd.config import Config
 from megatron_opd.models.parallel import host_group
-from megatron_opd.trainer.batch import TrainBatch, budget_micro_batches, row_lengths, split_micro_batches
+from megatron_opd.trainer.batch import TrainBatch, plan_micro_batches, row_lengths
 from megatron_opd.trainer.mixture import spread_rows
 from megatron_opd.trainer.policy import MegatronPolicy
 
@@ -62,7 +62,8 @@ class Learner:
             return self.off_policy_old_logp(batch)
         train = self.cfg.train
         return None if reuse else self.student.score(batch, micro_batch_size=train.micro_batch_size,
-                                                     max_tokens=train.max_tokens_per_microbatch)[0]
+                                                     max_tokens=train.max_tokens_per_microbatch,
+                                                     pack=train.pack_sequences)[0]
 
     def set_old_logp(self, batch: TrainBatch, old_logp: Optional[torch.Tensor]) -> None:
         """pi_old into the batch; stages before the last only run the model body (the loss lives on the
@@ -101,13 +102,12 @@ class Learner:
         return stats
 
     def micro_batches(self, batch: TrainBatch, rows: list[int]) -> list[TrainBatch]:
-        """train.micro_batch_size rows each, or by length up to train.max_tokens_per_microbatch tokens."""
-        own_length = self.cfg.parallel.pipeline_model_parallel_size == 1
-        budget = self.cfg.train.max_tokens_per_microbatch
-        if budget:
-            return budget_micro_batches(batch, rows, budget, self.student.seq_multiple, own_length=own_length)
-        return split_micro_batches(batch, rows, self.cfg.train.micro_batch_size, self.student.seq_multiple,
-                                   own_length=own_length)
+        """train.micro_batch_size rows each, or by length up to train.max_tokens_per_microbatch tokens, or packed."""
+        train = self.cfg.train
+        return plan_micro_batches(batch, rows, micro_batch_size=train.micro_batch_size,
+                                  max_tokens=train.max_tokens_per_microbatch, pack=train.pack_sequences,
+                                  seq_multiple=self.student.seq_multiple,
+                                  own_length=self.cfg.parallel.pipeline_model_parallel_size == 1)
 
     def ref_logits_source(self, ref: MegatronPolicy, micro: list[TrainBatch]) -> Optional[Callable]:
         """Reference logits for full-vocabulary KL, one micro-batch at a time (docs/scaling.md).

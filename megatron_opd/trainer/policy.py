@@ -16,16 +16,16 @@ import torch.distributed as dist
 
 from megatron_opd.config import Config
 from megatron_opd.models.checkpoint import load_training_state, save_training_state, unshare_adam_step
-from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model
+from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model, resolve_layer_spec
 from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
                                           mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
 from megatron_opd.models.optimizer import (grads_finite, optimizer_step, restart_optimizer, setup_training, unwrap,
                                            zero_grads)
+from megatron_opd.models.packing import packed_inputs
 from megatron_opd.models.parallel import host_group, is_pipeline_last_stage, model_parallel_coords
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
 from megatron_opd.teacher.megatron import vocab_parallel_topk
-from megatron_opd.trainer.batch import (TrainBatch, budget_groups, pad_batch, round_up, row_lengths,
-                                        seq_len_multiple)
+from megatron_opd.trainer.batch import TrainBatch, pad_batch, plan_micro_batches, round_up, seq_len_multiple
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -67,6 +67,7 @@ class MegatronPolicy:
         self.model = self.setup.model if trainable else model
         self.device = next(model.parameters()).device
         self.select_rows = enable_logit_rows(self.model)
+        self.thd = resolve_layer_spec(cfg.model.layer_spec, cfg.model.fp8) == "te"  # packed rows as THD (else a mask)
         self.tp_group = default_tp_group()
         self.reduce = vocab_parallel_reduce(self.tp_group)
         self.is_last_stage = is_pipeline_last_stage()
@@ -90,11 +91,13 @@ class MegatronPolicy:
         response positions whose logits are needed (at least one, so the LM head always runs)."""
         batch = batch.to(self.device)
         mb: dict[str, Any] = {"input_ids": batch.tokens, "position_ids": batch.position_ids, "batch": batch}
+        if batch.packed:
+            mb.update(packed_inputs(batch.segment_ids, thd=self.thd))
         if self.select_rows:
             b_idx, _, pos = batch.response_rows()
             if b_idx.numel() == 0:
                 b_idx, pos = b_idx.new_zeros(1), pos.new_zeros(1)
-            mb["logit_rows"] = (pos, b_idx)
+            mb["logit_rows"] = (pos, batch.token_rows(b_idx))
         return mb
 
     def _rows(self, logits: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
@@ -104,7 +107,7 @@ class MegatronPolicy:
         if self.select_rows:  # a view, not logits[0]: select/slice backward would zero-fill a whole [N, V] gradient
             flat = logits.view(-1, logits.shape[-1])
             return flat if flat.shape[0] == b_idx.numel() else flat[: b_idx.numel()]
-        return logits[b_idx, pos]
+        return logits[batch.token_rows(b_idx), pos]
 
     def _scatter(self, values: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
         """[N, ...] per-token values -> [B, T, ...] response layout (zeros at padding); differentiable."""
@@ -120,7 +123,7 @@ class MegatronPolicy:
     def rows_token_logp(self, rows: torch.Tensor, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
         """[B, T] fp32 log-probs of the response tokens from their [N, V/tp] logit rows (see `_rows`)."""
         b_idx, _, pos = batch.response_rows()
-        vals = vocab_parallel_token_logprobs(rows, batch.tokens[b_idx, pos + 1], self.tp_group,
+        vals = vocab_parallel_token_logprobs(rows, batch.tokens[batch.token_rows(b_idx), pos + 1], self.tp_group,
                                              vocab_size=self.vocab_size, temperature=temperature,
                                              chunk_size=FROZEN_LOGP_CHUNK,
                                              on_nonfinite="return")  # NaN -> every rank skips (train_minibatch)
@@ -190,11 +193,12 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, want_logits: bool = False, micro_batch_size: int = 8,
-              max_tokens: Optional[int] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+              max_tokens: Optional[int] = None, pack: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(logp [B, T] fp32 on the CPU, response logits [N, V/tp] or None) on the last stage; (None, None)
         elsewhere. Forwards of `micro_batch_size` rows, or (`max_tokens`, without `want_logits`) of rows
-        grouped by length up to that many padded tokens (`batch.budget_groups`; one forward per group, so
-        any group size works under pipeline parallelism too).
+        grouped by length up to that many padded tokens, or (`pack`) packed into sequences of up to
+        `max_tokens` (`batch.plan_micro_batches`; one forward each, so any shape works under pipeline
+        parallelism too).
 
         Memory: `want_logits` keeps [N, V/tp] (`response_logits`: the model's dtype, fp32 at T != 1) for
         all N response tokens of `batch`; the trainer asks for it per micro-batch (`response_logits_for`),
@@ -203,32 +207,26 @@ class MegatronPolicy:
         self.model.eval()
         logps: list[torch.Tensor] = []
         logits_out: list[torch.Tensor] = []
-        B = batch.batch_size
-        if max_tokens and not want_logits:
-            groups = budget_groups(row_lengths(batch), list(range(B)), max_tokens, self.seq_multiple)
-        else:
-            groups = [list(range(s, min(B, s + micro_batch_size))) for s in range(0, B, micro_batch_size)]
+        B, T = batch.response_mask.shape
+        micro = plan_micro_batches(batch, list(range(B)), micro_batch_size=micro_batch_size,
+                                   max_tokens=None if want_logits else max_tokens, pack=pack and not want_logits,
+                                   seq_multiple=self.seq_multiple)
         try:
-            for group in groups:
-                mb = batch.select(group)
-                mb = pad_batch(mb, mb.batch_size, round_up(mb.tokens.shape[1], self.seq_multiple))
-
+            for part in micro:
                 def loss_fn(logits: torch.Tensor, mbd: dict):
                     mb = mbd["batch"]
-                    logps.append(_pad_t(self._token_logp(logits, mb).cpu(), batch.response_mask.shape[1]))
+                    logps.append(_pad_t(self._token_logp(logits, mb).cpu(), T)[mb.source_rows.cpu() >= 0])
                     if want_logits:  # model dtype at T = 1: full_kl upcasts chunk by chunk
                         logits_out.append(self.response_logits(logits, mb))
                     return logits.new_zeros(()), {}
 
-                forward_backward(self.model, [self.micro_dict(mb)], loss_fn, forward_only=True)
+                forward_backward(self.model, [self.micro_dict(part)], loss_fn, forward_only=True)
         finally:
             self.model.train(was_training)
         if not self.is_last_stage:
             return None, None
-        logp = torch.cat(logps, 0)
-        order = torch.as_tensor([r for g in groups for r in g], dtype=torch.long)
-        if not torch.equal(order, torch.arange(B)):  # length-grouped: back to the batch's row order
-            logp = torch.empty_like(logp).index_copy_(0, order, logp)
+        order = torch.cat([m.source_rows[m.source_rows >= 0] for m in micro])
+        logp = torch.empty((B, T), dtype=torch.float32).index_copy_(0, order, torch.cat(logps, 0))
         return logp, (torch.cat(logits_out, 0) if want_logits else None)
 
     @torch.no_grad()
@@ -240,7 +238,8 @@ class MegatronPolicy:
         self.model.eval()
         try:
             mbd = self.micro_dict(batch)
-            logits = forward_logits(self.model, mbd["input_ids"], mbd["position_ids"], rows=mbd.get("logit_rows"))
+            logits = forward_logits(self.model, mbd["input_ids"], mbd["position_ids"], mbd.get("attention_mask"),
+                                    mbd.get("packed_seq_params"), rows=mbd.get("logit_rows"))
             return self.response_logits(logits, mbd["batch"])
         finally:
             self.model.train(was_training)

@@ -157,7 +157,8 @@ class Scorer:
         self.layout_teacher = MegatronTeacher.from_hf(
             t.hf_path, micro_batch_size=t.micro_batch_size or 8, layer_spec=self.cfg.model.layer_spec,
             params_dtype=resolve_dtype(t.params_dtype), pad_token_id=self.pad_id,
-            layout=make_layout(t.tensor_model_parallel_size, t.pipeline_model_parallel_size))
+            layout=make_layout(t.tensor_model_parallel_size, t.pipeline_model_parallel_size),
+            max_tokens=self.cfg.train.max_tokens_per_microbatch, pack=self.cfg.train.pack_sequences)
         self.layout_teacher.topk_id_limit = self.topk_limit(self.layout_teacher.vocab_size)
 
     def launch_teacher_server(self) -> ServerProcess:
@@ -286,7 +287,7 @@ class Scorer:
             with self._teacher_weights():
                 batch.extras["teacher_logp"], _ = self.teacher_policy.score(
                     batch, micro_batch_size=self.teacher_micro_batch_size(),
-                    max_tokens=self.cfg.train.max_tokens_per_microbatch)
+                    max_tokens=self.cfg.train.max_tokens_per_microbatch, pack=self.cfg.train.pack_sequences)
                 if self.wants_gold_topk and bool(batch.is_golden.any()):
                     ids, lps = self.teacher_policy.score_topk(
                         batch, self.cfg.teacher.top_k, batch.is_golden, micro_batch_size=self.teacher_micro_batch_size(),
@@ -294,7 +295,8 @@ class Scorer:
                     batch.extras["teacher_topk_ids"], batch.extras["teacher_topk_logp"] = ids, lps
         if self.ref is not None and with_ref_logp:
             ref_logp, _ = self.ref.score(batch, micro_batch_size=self.cfg.train.micro_batch_size,
-                                         max_tokens=self.cfg.train.max_tokens_per_microbatch)
+                                         max_tokens=self.cfg.train.max_tokens_per_microbatch,
+                                         pack=self.cfg.train.pack_sequences)
             if ref_logp is not None:
                 batch.extras["ref_logp"] = ref_logp
 
