@@ -14,9 +14,17 @@ and runs alternate A B A B over `--rounds`, so a change in host load hits both s
          defaults otherwise (gradient checkpointing on; `--trl-no-gc` turns it off)
   before `--before REV`: our `opd` preset at git revision REV (a temporary worktree), to show a change
 
+`--varied` (ours only): the rollouts' lengths are spread as in an inflating run -- each response is cut or
+extended (by repeating its own tokens, the loops of such a run) to a length drawn, seeded per step and row,
+from VARIED_LENGTHS, with `--new-tokens` as the budget; the engine itself decodes `--gen-tokens` only, so
+the rollout phase is cheap and not what this workload measures. Every run gets the same lengths: compare
+the score + train phases of padded micro-batches, dynamic batching and packing on the same work.
+
     python benchmarks/bench_step.py                      # ours opd + stable_opd vs TRL, 2 rounds
     python benchmarks/bench_step.py --before 3a7f893 --only ours,before --presets opd
     python benchmarks/bench_step.py --tiny --steps 1 --rounds 1   # seconds; what the test runs
+    python benchmarks/bench_step.py --only ours --varied --new-tokens 256 --presets \
+        "stable_opd,stable_opd:train.max_tokens_per_microbatch=1024,stable_opd:train.max_tokens_per_microbatch=512:train.pack_sequences=true"
 
 Needs `pip install -e '.[bench]'` for the TRL rows (`make bench-step` does it); without TRL the TRL
 rows are reported as not installed.
@@ -41,6 +49,9 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import proc_status_kb, step_overrides  # noqa: E402 - the scripts' shared helpers, beside them
+# Response lengths of plain OPD after its onset in the reproduction (docs/reproduction.md, seed 0, steps 4-40:
+# quantiles 0, 5, ..., 100% of its 148 logged rollouts; mean 102 at a 256-token budget): `--varied`'s workload
+VARIED_LENGTHS = (44, 55, 59, 63, 67, 69, 73, 75, 79, 83, 86, 90, 98, 102, 107, 113, 122, 128, 141, 166, 204, 256)
 BREAKDOWN = ("time/rollout_s", "time/score_s", "time/train_s", "time/rollout_wait_s", "time/sync_s")
 
 
@@ -66,10 +77,13 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
         *step_overrides(preset, a.student, a.teacher, a.data, a.workdir, steps=a.warmup + a.steps + 1,
                         prompts=a.seqs, samples=1, new_tokens=a.new_tokens, micro_batch_size=a.seqs),
         "data.shuffle=false",
+        *(["rollout.parity_check=off"] if a.varied else []),  # shaped rollouts carry no behaviour log-probs
         *([f"model.params_dtype={a.dtype}", f"teacher.params_dtype={a.dtype}"] if a.dtype != "float32" else []),
         *a.override,
         *[e for e in extra if e]])
     trainer = Trainer(cfg)
+    if a.varied:
+        shape_rollouts(trainer.rollouts.engine, a.gen_tokens, a.new_tokens)
     steps = []
     try:
         for i in range(a.warmup + a.steps):
@@ -77,11 +91,39 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
             m = trainer.train_step()
             rec = {"wall_s": time.perf_counter() - t, "cpu_s": _cpu_s() - c, "warmup": i < a.warmup,
                    "loss": float(m.get("loss/total_loss", float("nan")))}
-            rec.update({k: float(m[k]) for k in BREAKDOWN if k in m})
+            rec.update({k: float(m[k]) for k in (*BREAKDOWN, "batch/padding_fraction") if k in m})
             steps.append(rec)
     finally:
         trainer.close()
     return {"steps": steps, "peak_rss_mb": _hwm_mb()}
+
+
+def varied_length(seed: int, row: int, budget: int) -> int:
+    """The `--varied` length of a row: a VARIED_LENGTHS quantile picked by (seed, row), scaled to `budget`."""
+    import random
+
+    q = random.Random(seed * 100003 + row).choice(VARIED_LENGTHS)
+    return max(1, round(q * budget / 256))
+
+
+def shape_rollouts(engine: Any, gen_tokens: int, budget: int) -> None:
+    """`--varied`: the engine decodes `gen_tokens` and each sample is cut or extended (repeating its own
+    tokens) to `varied_length`; one that reaches `budget` is truncated, like a rollout at the budget."""
+    from dataclasses import replace
+
+    generate = engine.generate
+
+    def shaped(prompts: list[list[int]], sampling: Any) -> list[Any]:
+        out = []
+        for row, s in enumerate(generate(prompts, replace(sampling, max_new_tokens=gen_tokens))):
+            n = varied_length(sampling.seed, row, budget)
+            base = s.response_ids or [0]
+            ids = (base * (n // len(base) + 1))[:n]
+            out.append(replace(s, response_ids=ids, logprobs=[0.0] * n, raw_logprobs=None,
+                               finish_reason="length" if n >= budget else "stop"))
+        return out
+
+    engine.generate = shaped
 
 
 def worker_trl(a: argparse.Namespace) -> dict[str, Any]:
@@ -172,7 +214,9 @@ def spawn(a: argparse.Namespace, kind: str, preset: str, paths: tuple[Path, Path
            "--result", str(result), "--student", str(student), "--teacher", str(teacher), "--data", str(data),
            "--rendered", str(rendered), "--preset", preset, "--workdir", str(work / f"run-{kind}-{tag}-{run}"),
            "--seqs", str(a.seqs), "--new-tokens", str(a.new_tokens), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--threads", str(a.threads), "--dtype", a.dtype]
+           "--warmup", str(a.warmup), "--threads", str(a.threads), "--dtype", a.dtype, "--gen-tokens", str(a.gen_tokens)]
+    if a.varied:
+        cmd.append("--varied")
     if a.trl_no_gc:
         cmd.append("--trl-no-gc")
     for o in a.override:
@@ -203,11 +247,30 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {"step_s": _med([s["wall_s"] for s in timed]), "cpu_s": _med([s["cpu_s"] for s in timed]),
            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "timed_steps": len(timed),
            "threads": runs[0].get("threads")}
-    for k in BREAKDOWN:
+    for k in (*BREAKDOWN, "batch/padding_fraction"):
         vals = [s[k] for s in timed if k in s]
         if vals:
             out[k] = _med(vals)
+    both = [s["time/score_s"] + s["time/train_s"] for s in timed if "time/score_s" in s and "time/train_s" in s]
+    if both:
+        out["score_train_s"] = _med(both)
     return out
+
+
+def phases_table(rows: dict[str, dict[str, Any]]) -> str:
+    """Score + train phases (median of their per-step sum), padding and peak RSS, each against the first row."""
+    named = [(n, r) for n, r in rows.items() if "score_train_s" in r]
+    if not named:
+        return ""
+    base = named[0][1]
+    lines = ["| run | score + train | speed-up vs first | padded tokens | peak RSS | RSS vs first |",
+             "|---|---|---|---|---|---|"]
+    for name, r in named:
+        pad = r.get("batch/padding_fraction")
+        lines.append(f"| {name} | {r['score_train_s']:.2f} s | {base['score_train_s'] / r['score_train_s']:.2f}x | "
+                     f"{'-' if pad is None else f'{pad:.0%}'} | {r['peak_rss_mb'] / 1024:.2f} GB | "
+                     f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x |")
+    return "\n".join(lines)
 
 
 def table(rows: dict[str, dict[str, Any]], ref: Optional[str]) -> str:
@@ -244,6 +307,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="both sides: weights (ours: student, reference, teacher, rollout engine; TRL: student and "
                          "teacher, bf16=True). Log-softmax stays fp32 in ours")
     ap.add_argument("--tiny", action="store_true", help="the demo's tiny random pair (seconds; smoke test)")
+    ap.add_argument("--varied", action="store_true",
+                    help="ours only: rollout lengths spread as in an inflating run (VARIED_LENGTHS at --new-tokens)")
+    ap.add_argument("--gen-tokens", type=int, default=16, help="--varied: tokens the engine decodes per rollout")
     ap.add_argument("--trl-no-gc", action="store_true", help="TRL without gradient checkpointing")
     ap.add_argument("--cache", default=None, help="model cache (default: the demo's)")
     ap.add_argument("--override", action="append", default=[], help="extra config override for our runs")
@@ -260,8 +326,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     bad = set(only) - {"ours", "trl", "before"}
     if bad or ("before" in only) != bool(a.before):
         ap.error(f"--only: unknown {sorted(bad)}" if bad else "--only before and --before REV go together")
-    if a.seqs < 1 or a.new_tokens < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0:
-        ap.error("--seqs, --new-tokens, --steps, --rounds must be >= 1 and --warmup >= 0")
+    if a.seqs < 1 or a.new_tokens < 1 or a.steps < 1 or a.rounds < 1 or a.warmup < 0 or a.gen_tokens < 1:
+        ap.error("--seqs, --new-tokens, --gen-tokens, --steps, --rounds must be >= 1 and --warmup >= 0")
+    if a.varied and set(only) != {"ours"}:
+        ap.error("--varied shapes our rollouts only: use it with --only ours")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill still removes the 'before' worktree
     work = Path(tempfile.mkdtemp(prefix="bench_step_"))
     paths = prepare(a, work)
@@ -293,9 +361,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if trl_missing:
         rows["TRL DistillationTrainer"] = {"missing": trl_missing}
     ref = "TRL DistillationTrainer" if "TRL DistillationTrainer" in runs else None
-    print(f"\n{a.seqs} sequences x {a.new_tokens} new tokens, {a.dtype}, {a.rounds} rounds x {a.steps} timed steps "
+    varied = f" (lengths spread as in an inflating run, --varied; engine decodes {a.gen_tokens})" if a.varied else ""
+    print(f"\n{a.seqs} sequences x {a.new_tokens} new tokens{varied}, {a.dtype}, {a.rounds} rounds x {a.steps} timed steps "
           f"(+{a.warmup} warm-up), threads {a.threads or 'default'}{', tiny models' if a.tiny else ''}\n")
     print(table(rows, ref))
+    if a.varied:
+        print("\n" + phases_table(rows))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     return 0

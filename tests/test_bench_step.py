@@ -63,3 +63,47 @@ def test_tiny_run_ours_and_trl(tmp_path):
     for name in ("megatron-opd opd", "megatron-opd stable_opd"):
         assert {"time/rollout_s", "time/train_s", "time/sync_s"} <= rows[name].keys()
     assert "| TRL DistillationTrainer |" in proc.stdout and "1.00x" in proc.stdout
+
+
+def test_varied_workload_shapes_every_rollout_the_same_way():
+    """`--varied`: lengths drawn from VARIED_LENGTHS (scaled to the budget), the same for every run of a
+    step; responses cut or extended by repeating their own tokens; one at the budget is truncated."""
+    from megatron_opd.rollout.base import Sample, SamplingParams
+
+    b = _module()
+    lengths = [b.varied_length(7, row, 256) for row in range(200)]
+    assert set(lengths) <= set(b.VARIED_LENGTHS) and len(set(lengths)) > 10
+    assert lengths == [b.varied_length(7, row, 256) for row in range(200)]
+    assert [b.varied_length(7, row, 128) for row in range(5)] == [round(n / 2) for n in lengths[:5]]
+
+    class Engine:
+        def generate(self, prompts, sampling):
+            assert sampling.max_new_tokens == 3
+            return [Sample(i, p, [10 + i, 20 + i, 2], [-1.0] * 3, "stop") for i, p in enumerate(prompts)]
+
+    engine = Engine()
+    b.shape_rollouts(engine, 3, 256)
+    out = engine.generate([[1], [2], [3]], SamplingParams(max_new_tokens=256, temperature=1.0, seed=7))
+    for row, s in enumerate(out):
+        n = lengths[row]
+        assert len(s.response_ids) == n == len(s.logprobs)
+        assert s.response_ids == ([10 + row, 20 + row, 2] * n)[:n]
+        assert s.truncated == (n == 256)
+
+
+@pytest.mark.timeout(300)
+def test_tiny_varied_run_packed_has_no_padding(tmp_path):
+    """The varied workload end to end: padded micro-batches pad, packed ones do not; the phases table is printed."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--only", "ours", "--varied", "--steps", "1",
+                           "--warmup", "0", "--rounds", "1", "--seqs", "4", "--new-tokens", "32", "--gen-tokens", "4",
+                           "--presets", "opd,opd:train.max_tokens_per_microbatch=256:train.pack_sequences=true",
+                           "--cache", str(tmp_path / "cache"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    padded, packed = rows["megatron-opd opd"], rows["megatron-opd opd:train.max_tokens_per_microbatch=256:train.pack_sequences=true"]
+    assert padded["batch/padding_fraction"] > 0 and packed["batch/padding_fraction"] == 0
+    assert "| run | score + train | speed-up vs first |" in proc.stdout and "1.00x" in proc.stdout
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--varied"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--only ours" in proc.stderr
