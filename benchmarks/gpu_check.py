@@ -265,6 +265,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
         phases.append({"name": "model", "worker": "model", **common, "fp8": None})
         if args.fp8:
             phases.append({"name": f"model-fp8-{args.fp8}", "worker": "model", **common, "fp8": args.fp8})
+    if not args.no_packed_check:
+        phases.append({"name": "packed", "worker": "packed", **common, "fp8": None})
     if not args.no_ckpt_check:
         phases.append({"name": "ckpt", "worker": "ckpt", "layer_spec": args.layer_spec, "dtype": "float32",
                        "fp8": None, "written_by": "cpu, local spec (megatron-opd convert hf-to-mcore)"})
@@ -302,6 +304,55 @@ def worker_ckpt(args: argparse.Namespace, ev: _Events) -> None:
         raise RuntimeError(f"the CPU-written checkpoint loads into the {args.layer_spec} model with logits "
                            f"{report['max_abs_logit_diff']:.3g} from HF's (tol {report['tol']:g})")
     ev(event="done", memory=_memory(args.device))
+
+
+# max |log-prob diff| between a row scored alone and inside a packed sequence: fp32 agrees to rounding;
+# bf16 differs by the order of its reductions (the packed row's GEMMs and attention tile differently)
+PACKED_TOL = {"float32": 1e-3, "bfloat16": 0.1}
+
+
+def worker_packed(args: argparse.Namespace, ev: _Events) -> None:
+    """Rows of different lengths packed into one sequence (THD `PackedSeqParams` on TE, the block-diagonal
+    mask on the local spec: `train.pack_sequences`) get the log-probs they get alone."""
+    import torch
+    from transformers import AutoConfig
+
+    from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
+    from megatron_opd.models.logprobs import forward_logits
+    from megatron_opd.models.packing import packed_inputs
+    from megatron_opd.models.parallel import destroy_parallel, init_parallel
+
+    _check_device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    init_parallel(1, 1, "nccl" if args.device == "cuda" else "gloo", seed=1234)
+    hf_config = AutoConfig.from_pretrained(args.student)
+    model = build_forward_only_model(hf_config, layer_spec=args.layer_spec, params_dtype=dtype)
+    dev = next(model.parameters()).device
+    thd = resolve_layer_spec(args.layer_spec) == "te"
+    vocab = int(hf_config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, vocab, (n,), generator=g) for n in (37, 120, 64, 5, 200)]
+    with torch.no_grad():
+        alone = [torch.log_softmax(forward_logits(model, r[None].to(dev)).float()[0, :, :vocab], -1) for r in rows]
+        ids = torch.cat(rows)[None].to(dev)
+        seg = torch.cat([torch.full((len(r),), i) for i, r in enumerate(rows)])[None].to(dev)
+        pos = torch.cat([torch.arange(len(r)) for r in rows])[None].to(dev)
+        extra = packed_inputs(seg, thd)
+        packed = torch.log_softmax(forward_logits(model, ids, pos, extra.get("attention_mask"),
+                                                  extra.get("packed_seq_params")).float()[0, :, :vocab], -1)
+    diff, at = 0.0, 0
+    for r, lp in zip(rows, alone):
+        diff = max(diff, float((packed[at:at + len(r)] - lp).abs().max()))
+        at += len(r)
+    tol = PACKED_TOL[args.dtype]
+    ev(event="packed", format="thd" if thd else "mask", rows=[len(r) for r in rows], max_abs_logp_diff=diff, tol=tol,
+       ok=diff <= tol)
+    log(f"packed ({'THD' if thd else 'block mask'}): max |log-prob diff| vs alone {diff:.3g} (tol {tol:g})")
+    if diff > tol:
+        raise RuntimeError(f"packed rows score {diff:.3g} away from the same rows alone (tol {tol:g})")
+    ev(event="done", memory=_memory(args.device))
+    del model
+    destroy_parallel()
 
 
 def worker_model(args: argparse.Namespace, ev: _Events) -> None:
@@ -429,7 +480,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         if args.threads:
             torch.set_num_threads(args.threads)
-        {"model": worker_model, "ckpt": worker_ckpt, "preset": worker_preset}[args.worker](args, ev)
+        {"model": worker_model, "ckpt": worker_ckpt, "preset": worker_preset, "packed": worker_packed}[args.worker](args, ev)
         return 0
     except BaseException as e:  # noqa: BLE001 - the orchestrator needs every failure, KeyboardInterrupt too
         ev(event="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
@@ -527,6 +578,17 @@ def summarise_ckpt(evs: list[dict[str, Any]], info: dict[str, Any], params: dict
     return out
 
 
+def summarise_packed(evs: list[dict[str, Any]], info: dict[str, Any], params: dict[str, int],
+                     peak: Optional[float]) -> dict[str, Any]:
+    out = dict(info)
+    for e in evs:
+        if e.get("event") == "packed":
+            out.update({k: v for k, v in e.items() if k != "event"})
+    if out["status"] == "ok" and not out.get("ok"):
+        out["status"] = "failed (packed log-probs differ)"
+    return out
+
+
 def summarise_model(evs: list[dict[str, Any]], info: dict[str, Any], params: dict[str, int],
                     peak: Optional[float]) -> dict[str, Any]:
     out = dict(info)
@@ -600,6 +662,10 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
     kinds = {p["name"]: p["worker"] for p in report.get("plan", [])}
     for name, ph in report.get("phases", {}).items():
+        if kinds.get(name) == "packed":
+            out[name] = {k: ph.get(k) for k in ("status", "format", "max_abs_logp_diff", "tol", "error")
+                         if ph.get(k) is not None}
+            continue
         if kinds.get(name) == "ckpt":
             out[name] = {k: ph.get(k) for k in ("status", "layer_spec", "max_abs_logit_diff", "argmax_agreement",
                                                 "tol", "error") if ph.get(k) is not None}
@@ -696,7 +762,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                 continue
             timeout = left / (len(jobs) - j)  # an equal share of what is left; unused time passes on
             evs, info = _spawn(args, phase, timeout, models, data)
-            summarise = {"model": summarise_model, "ckpt": summarise_ckpt, "preset": summarise_preset}[phase["worker"]]
+            summarise = {"model": summarise_model, "ckpt": summarise_ckpt, "preset": summarise_preset,
+                         "packed": summarise_packed}[phase["worker"]]
             report["phases"][phase["name"]] = {**summarise(evs, info, params, peak),
                                                "layer_spec": phase["layer_spec"], "fp8": phase["fp8"]}
             save()
@@ -738,6 +805,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-seq", type=int, default=None, help="model check: tokens per sequence")
     ap.add_argument("--no-model-check", action="store_true", help="skip the GPTModel-only forward/backward timing")
     ap.add_argument("--no-ckpt-check", action="store_true", help="skip loading a CPU-written checkpoint")
+    ap.add_argument("--no-packed-check", action="store_true", help="skip packed-vs-alone log-probs")
     ap.add_argument("--layer-spec", choices=["auto", "local", "te"], default="auto",
                     help="model.layer_spec of every phase (auto: Transformer Engine on CUDA, local on CPU)")
     ap.add_argument("--fp8", default="auto",
@@ -751,7 +819,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default=None, help="report path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     ap.add_argument("--workdir", default=None, help="models, data, runs (default: a fresh temp dir)")
     # worker-only
-    ap.add_argument("--worker", choices=["model", "ckpt", "preset"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["model", "ckpt", "preset", "packed"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--events", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--preset", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--student", default=None, help=argparse.SUPPRESS)

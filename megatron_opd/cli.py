@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "check-reproduction": ("megatron_opd.eval.reproduction", "main",
                            "judge runs against the length-inflation criteria (docs/reproduction.md)"),
     "plot": ("megatron_opd.trainer.plot", "main", "render a run's training-dynamics figure"),
+    "plan": ("megatron_opd.plan", "main", "predict per-GPU memory and step time of a layout before allocating it"),
 }
 
 

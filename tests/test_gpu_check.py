@@ -88,7 +88,10 @@ def test_cpu_tiny_end_to_end(tmp_path: Path):
     assert report["phases"]["stable_opd"]["steps"][-1]["metrics"]["rollout/num_golden"] >= 1
     ckpt = report["phases"]["ckpt"]  # a CPU-written torch_dist checkpoint loaded into this device's model
     assert ckpt["status"] == "ok" and ckpt["layer_spec"] == "local" and ckpt["max_abs_logit_diff"] <= ckpt["tol"]
-    assert [p["name"] for p in report["plan"]] == ["model", "ckpt", "stable_opd", "opd"]  # no FP8 on CPU
+    packed = report["phases"]["packed"]  # rows packed into one sequence (the block mask here) score as alone
+    assert packed["status"] == "ok" and packed["format"] == "mask" and packed["max_abs_logp_diff"] <= packed["tol"]
+    assert report["summary"]["packed"]["status"] == "ok"
+    assert [p["name"] for p in report["plan"]] == ["model", "packed", "ckpt", "stable_opd", "opd"]  # no FP8 on CPU
 
 
 def _step(i, warmup, step_s, train_s, tokens, loss=0.5, **extra):
@@ -181,7 +184,7 @@ def test_dry_run_on_cuda_builds_the_default_gpu_path(tmp_path: Path):
     planned = json.loads(res.stdout)
     phases = {p["name"]: p for p in planned["phases"]}
     assert planned["dtype"] == "bfloat16" and list(phases) == [
-        "model", "model-fp8-delayed", "ckpt", "stable_opd", "opd", "stable_opd-fp8-delayed"]
+        "model", "model-fp8-delayed", "packed", "ckpt", "stable_opd", "opd", "stable_opd-fp8-delayed"]
     assert all(p["layer_spec"] == "te" for p in phases.values())
     assert [n for n, p in phases.items() if p["fp8"]] == ["model-fp8-delayed", "stable_opd-fp8-delayed"]
     assert phases["ckpt"]["written_by"].startswith("cpu")

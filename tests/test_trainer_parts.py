@@ -17,7 +17,7 @@ from megatron_opd.teacher.fidelity import PairMismatchError
 from megatron_opd.trainer.batch import SequenceItem, build_batch
 from megatron_opd.trainer.guard import Guard
 from megatron_opd.trainer.learner import Learner
-from megatron_opd.trainer.mixture import golden_count, spread_rows
+from megatron_opd.trainer.mixture import balance_rows, golden_count, spread_rows
 from megatron_opd.trainer.rollouts import check_engine_parity
 from megatron_opd.trainer.scoring import preflight
 from megatron_opd.trainer.step_metrics import _concat, _rows, batch_metrics
@@ -40,6 +40,30 @@ def test_spread_rows_keeps_every_row_and_gives_each_part_its_share_of_golden_row
                 per_part = [sum(golden[r] for r in part) for part in out]  # each part's share, within one row
                 assert all(abs(g - len(p) * n_gold / n) < 1 for g, p in zip(per_part, out)), (n, parts, golden)
                 assert all(part == sorted(part) for part in out)
+
+
+def test_balance_rows_keeps_the_split_and_evens_out_tokens():
+    """Dealt by tokens: every row once, the same group sizes and golden rows per group as `spread_rows`, and
+    the heaviest group often lighter than spread_rows' and never heavier by more than one row."""
+    rng = random.Random(1)
+    lighter = 0
+    for trial in range(300):
+        n, parts = rng.randint(1, 24), rng.randint(1, 5)
+        golden = [rng.random() < 0.25 for _ in range(n)]
+        lengths = [rng.choice([40, 60, 80, 300]) for _ in range(n)]
+        even, dealt = spread_rows(list(range(n)), golden, parts), balance_rows(list(range(n)), golden, lengths, parts)
+        assert sorted(r for g in dealt for r in g) == list(range(n))
+        assert [len(g) for g in dealt] == [len(g) for g in even]
+        assert [sum(golden[r] for r in g) for g in dealt] == [sum(golden[r] for r in g) for g in even]
+        assert all(g == sorted(g) for g in dealt)
+        heavy = lambda groups: max(sum(lengths[r] for r in g) for g in groups)  # noqa: E731
+        assert heavy(dealt) <= heavy(even) + 300  # within one longest row of the best, never far off
+        lighter += heavy(dealt) < heavy(even)
+    assert lighter > 50
+    # the skew of an inflating step: the long rows first in prompt order -> all on rank 0 by count
+    lengths = [300, 300, 300, 300, 40, 40, 40, 40]
+    assert spread_rows(list(range(8)), [False] * 8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert balance_rows(list(range(8)), [False] * 8, lengths, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def test_minibatches_each_hold_their_share_of_golden_rows():

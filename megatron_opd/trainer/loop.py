@@ -31,12 +31,13 @@ from megatron_opd.models.parallel import (broadcast_object, data_parallel_rank_s
                                           is_pipeline_last_stage, tensor_parallel_rank)
 from megatron_opd.models.weight_mapping import load_hf_state_dict
 from megatron_opd.trainer import state
-from megatron_opd.trainer.batch import build_batch
+from megatron_opd.trainer.batch import SequenceItem, build_batch
 from megatron_opd.trainer.checkpoint import CheckpointManager
 from megatron_opd.trainer.guard import Guard, TrainingStopped
 from megatron_opd.trainer.learner import Learner
 from megatron_opd.trainer.logger import RunLogger
-from megatron_opd.trainer.mixture import golden_count, golden_prompt_picks, golden_response, spread_rows
+from megatron_opd.trainer.mixture import (balance_rows, golden_count, golden_prompt_picks, golden_response,
+                                          spread_rows)
 from megatron_opd.trainer.policy import MegatronPolicy
 from megatron_opd.trainer.preempt import Preempted, PreemptionWatch
 from megatron_opd.trainer.rollouts import Rollouts, check_engine_parity
@@ -131,7 +132,7 @@ class Trainer:
         t1 = time.time()
         self.scorer.score_payload(payload)  # a megatron teacher in its own layout scores every sequence
         items = payload["items"]
-        rows = spread_rows(range(len(items)), [it.is_golden for it in items], self.dp_size)[self.dp_rank]
+        rows = self.my_rows(items)
         batch = build_batch([items[i] for i in rows], self.pad_id, pad_to_multiple=self.student.seq_multiple)
         self.scorer.attach(batch, payload, rows)
         off_policy = payload.get("weight_version", self.weight_version) != self.weight_version
@@ -159,6 +160,15 @@ class Trainer:
         self.step += 1
         check_engine_parity(cfg.rollout, self.step, metrics, self.rank)
         return metrics
+
+    def my_rows(self, items: list[SequenceItem]) -> list[int]:
+        """This data-parallel rank's rows of the step: an even share of rows and of golden rows, dealt by
+        tokens when micro-batches are formed by tokens (train.max_tokens_per_microbatch)."""
+        golden = [it.is_golden for it in items]
+        if self.cfg.train.max_tokens_per_microbatch:
+            lengths = [len(it.prompt_ids) + len(it.response_ids) for it in items]
+            return balance_rows(range(len(items)), golden, lengths, self.dp_size)[self.dp_rank]
+        return spread_rows(range(len(items)), golden, self.dp_size)[self.dp_rank]
 
     def evaluate(self) -> dict[str, float]:
         return self.rollouts.evaluate(self.eval_sets, self.step, self.out_dir)

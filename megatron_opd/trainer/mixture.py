@@ -3,7 +3,8 @@
 Stable-OPD trains on the student's rollouts and on golden solutions in the same minibatch
 (`algo.mixture_ratio` of its rows). These helpers decide how many golden rows a step gets, from which
 prompts, what a golden row looks like as a response, and how the step's rows are split over
-data-parallel ranks and minibatches so that every part holds its share of golden rows.
+data-parallel ranks and minibatches so that every part holds its share of golden rows (and, under
+dynamic batching or packing, a similar number of tokens).
 """
 
 from __future__ import annotations
@@ -75,3 +76,25 @@ def spread_rows(rows: Sequence[int], golden: Sequence[bool], parts: int) -> list
         out.append(sorted(gold[ga:ga + g] + roll[ra:ra + size - g], key=order.__getitem__))
         ga, ra = ga + g, ra + size - g
     return out
+
+
+def balance_rows(rows: Sequence[int], golden: Sequence[bool], lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """`spread_rows`'s split (the same group sizes and golden rows per group) with the rows dealt by tokens:
+    longest first, each to the group with the fewest tokens that still has room for its kind. Under
+    dynamic batching or packing a data-parallel rank's time follows its tokens, not its rows, and the
+    step waits for the slowest rank. `lengths[r]`: row r's tokens."""
+    if parts <= 1:
+        return [list(rows)]
+    is_gold = dict(zip(rows, golden))
+    room = [{True: sum(is_gold[r] for r in g), False: sum(not is_gold[r] for r in g)}
+            for g in spread_rows(rows, golden, parts)]
+    order = {r: i for i, r in enumerate(rows)}
+    tokens = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for r in sorted(rows, key=lambda r: (-lengths[r], order[r])):
+        kind = is_gold[r]
+        j = min((j for j in range(parts) if room[j][kind] > 0), key=lambda j: (tokens[j], j))
+        out[j].append(r)
+        room[j][kind] -= 1
+        tokens[j] += lengths[r]
+    return [sorted(g, key=order.__getitem__) for g in out]
