@@ -285,9 +285,11 @@ class Scorer:
         computes them from its per-micro-batch logits, the reference's log-probs, into `batch.extras`."""
         if self.teacher_policy is not None:
             with self._teacher_weights():
-                batch.extras["teacher_logp"], _ = self.teacher_policy.score(
+                teacher_logp, _ = self.teacher_policy.score(
                     batch, micro_batch_size=self.teacher_micro_batch_size(),
                     max_tokens=self.cfg.train.max_tokens_per_microbatch, pack=self.cfg.train.pack_sequences)
+                if teacher_logp is not None:  # None before the last pipeline stage (`Learner.set_old_logp`)
+                    batch.extras["teacher_logp"] = teacher_logp
                 if self.wants_gold_topk and bool(batch.is_golden.any()):
                     ids, lps = self.teacher_policy.score_topk(
                         batch, self.cfg.teacher.top_k, batch.is_golden, micro_batch_size=self.teacher_micro_batch_size(),
