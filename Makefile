@@ -9,7 +9,7 @@ PIP_VERSION ?= 26.3
 # that passed) so that a new PyPI release cannot change what the tests run against.
 LOCK = requirements/lock-main.txt
 
-.PHONY: venv test test-all test-slow test-slurm bench bench-step demo clean venv-py312 test-py312 check-py312
+.PHONY: venv test test-all test-slow test-slurm bench bench-step bench-plan demo clean venv-py312 test-py312 check-py312
 
 $(VENV)/.installed: setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: venv
 BENCH_ARGS ?=
 bench-step: venv
 	$(VENV)/bin/python benchmarks/bench_step.py $(BENCH_ARGS)
+
+# `megatron-opd plan` against measured peaks on this CPU (10 configurations, ~7 min): the table of docs/scaling.md
+# and docs/plan_validation.json.
+bench-plan: venv
+	$(VENV)/bin/python benchmarks/bench_plan.py
 
 demo: venv
 	$(VENV)/bin/megatron-opd demo $(DEMO_ARGS)

@@ -418,6 +418,25 @@ def preset_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def plan_tensors_gb(cfg: Any, device: str) -> dict[str, Any]:
+    """`megatron-opd plan`'s trainer-rank tensors for this config on this device (CUDA: this GPU's memory,
+    without the stated CUDA-context / NCCL constants, which the allocator's peak does not see), to print
+    beside the measured peak of the steps."""
+    from megatron_opd.plan import GPUS, Cluster, arch_from, gpu_from_name, plan_run
+
+    if device == "cuda":
+        import torch
+
+        gpu = gpu_from_name(f"{torch.cuda.get_device_properties(0).total_memory / 1e9:.0f}")
+    else:
+        gpu = GPUS["h100-80gb"]
+    plan = plan_run(cfg, Cluster(gpu, trainer=1), arch_from(cfg.model.hf_path, "model"),
+                    arch_from(cfg.teacher.hf_path, "teacher"), device="cpu" if device != "cuda" else "cuda")
+    comps = plan["ranks"][0]["components"]
+    return {"predicted_gb": sum(c["gb"] for c in comps if c["name"] != "CUDA context + NCCL"),
+            "components": {c["name"]: round(c["gb"], 4) for c in comps}}
+
+
 def worker_preset(args: argparse.Namespace, ev: _Events) -> None:
     """The real Trainer for one preset: warm-up + timed `train_step`s, each step's metrics as an event."""
     import torch
@@ -432,6 +451,7 @@ def worker_preset(args: argparse.Namespace, ev: _Events) -> None:
     cfg = load_config(None, overrides)
     ev(event="config", overrides=overrides, beta_kl=cfg.algo.beta_kl, lambda_gold=cfg.algo.lambda_gold,
        mixture_ratio=cfg.algo.mixture_ratio, kl_estimator=cfg.algo.kl_estimator, ppo_epochs=cfg.algo.ppo_epochs)
+    ev(event="plan", **plan_tensors_gb(cfg, args.device))
     t = time.time()
     trainer = Trainer(cfg)
     init_s = time.time() - t
@@ -642,6 +662,11 @@ def summarise_preset(evs: list[dict[str, Any]], info: dict[str, Any], params: di
         steps_mem = [e["memory"] for e in steps if e.get("memory")]
         if steps_mem and "cuda_max_allocated_mib" in steps_mem[-1]:
             out["memory_peak"]["cuda_max_allocated_steps_mib"] = max(m["cuda_max_allocated_mib"] for m in steps_mem)
+    plan = next((e for e in evs if e.get("event") == "plan"), None)
+    if plan:
+        peak_mib = out.get("memory_peak", {}).get("cuda_max_allocated_steps_mib")
+        out["plan"] = {"predicted_gb": plan["predicted_gb"], "components": plan["components"],
+                       "measured_gb": peak_mib / 1024 if peak_mib else None}
     if out["status"] == "ok" and (out["timed_steps"] < 1 or not out["losses_finite"]):
         out["status"] = "failed (no timed step)" if out["timed_steps"] < 1 else "failed (non-finite loss)"
     return out
@@ -681,7 +706,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
                      "train_s_median": r(ph.get("train_s_median")), "score_s_median": r(ph.get("score_s_median")),
                      "weight_sync_s": r(ph.get("weight_sync_s")), "tokens_per_s": r(ph.get("tokens_per_s"), 1),
                      "mfu": r(ph.get("mfu")), "losses": [r(x) for x in ph.get("losses", [])],
-                     "memory_peak": ph.get("memory_peak"), "rollout_engine": ph.get("rollout_engine")}
+                     "memory_peak": ph.get("memory_peak"), "rollout_engine": ph.get("rollout_engine"),
+                     "plan_vs_measured_gb": [r(ph.get("plan", {}).get("predicted_gb"), 3),
+                                             r(ph.get("plan", {}).get("measured_gb"), 3)]}
         if ph.get("error"):
             out[name]["error"] = ph["error"]
     return out

@@ -10,12 +10,14 @@ loaded their weights.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_opd.config import Config, ConfigError, load_config
 from megatron_opd.inputs import check_inputs
+from megatron_opd.plan import Cluster, arch_from, gpu_from_name, plan_run
 
 
 def summarize(cfg: Config) -> str:
@@ -56,6 +58,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     check.add_argument("--config", required=True, help="YAML file")
     check.add_argument("--skip-paths", action="store_true",
                        help="do not check that the model directories and data files exist (a dry run off-cluster)")
+    check.add_argument("--plan-gpu", default=None,
+                       help="also plan the trainer ranks' memory on this GPU (megatron-opd plan --gpu): a warning "
+                            "when a rank does not fit")
+    check.add_argument("--plan-strict", action="store_true", help="with --plan-gpu: a rank that does not fit fails")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     layout = sub.add_parser("layout", help="print the student's 'TP PP' (the sbatch scripts' convert check)")
     layout.add_argument("--config", required=True, help="YAML file")
@@ -86,6 +92,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(f"config ok{' (paths not checked)' if args.skip_paths else ''}: {summarize(cfg)}")
+    if args.plan_gpu:
+        return check_plan(cfg, args.plan_gpu, args.plan_strict)
+    return 0
+
+
+def check_plan(cfg: Any, gpu_name: str, strict: bool) -> int:
+    """The trainer ranks' planned memory on `gpu_name` (WORLD_SIZE ranks, else TP x PP): a warning, or with
+    `strict` an error (exit 2), when one does not fit; a plan that cannot be made is said, not fatal."""
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE") or p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    try:
+        gpu = gpu_from_name(gpu_name)
+        student = arch_from(cfg.model.hf_path, "model.hf_path")
+        teacher = arch_from(cfg.teacher.hf_path, "teacher.hf_path") if cfg.teacher.hf_path else None
+        plan = plan_run(cfg, Cluster(gpu, trainer=world), student, teacher)
+    except ValueError as e:
+        print(f"plan: not made ({e})", file=sys.stderr)
+        return 2 if strict else 0
+    bad = [v for v in plan["verdicts"] if v["role"].startswith("trainer") and not v["fits"]]
+    for v in plan["verdicts"]:
+        if v["role"].startswith("trainer"):
+            print(f"plan ({gpu.name}, {world} trainer ranks): {v['role']}: {v['text']}",
+                  file=sys.stderr if not v["fits"] else sys.stdout)
+    if bad:
+        print("plan: " + ("ERROR" if strict else "WARNING") + ": the layout does not fit; run `megatron-opd plan` "
+              "for the table and layouts that fit", file=sys.stderr)
+        return 2 if strict else 0
     return 0
 
 

@@ -85,6 +85,8 @@ def test_cpu_tiny_end_to_end(tmp_path: Path):
         assert ph["rollout_engine"]["engine"] == "LocalEngine"
         assert ph["rollout_engine"]["device"] == "cpu" and ph["rollout_engine"]["dtype"] == "torch.float32"
         assert report["summary"][preset]["tokens_per_s"] > 0
+        assert ph["plan"]["predicted_gb"] > 0 and "student weights" in ph["plan"]["components"]  # CPU: no allocator peak
+        assert report["summary"][preset]["plan_vs_measured_gb"][0] > 0
     assert report["phases"]["stable_opd"]["steps"][-1]["metrics"]["rollout/num_golden"] >= 1
     ckpt = report["phases"]["ckpt"]  # a CPU-written torch_dist checkpoint loaded into this device's model
     assert ckpt["status"] == "ok" and ckpt["layer_spec"] == "local" and ckpt["max_abs_logit_diff"] <= ckpt["tol"]

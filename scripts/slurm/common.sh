@@ -11,7 +11,8 @@
 # Knobs (env): PYTHON (default: the checkout's .venv/bin/python when there is one, else python3), TORCHRUN
 # (default: the torchrun beside PYTHON), SRUN, SRUN_ARGS (extra srun options), SERVER_TIMEOUT (s),
 # POLL_INTERVAL (s), MASTER_ADDR, MASTER_PORT, CHECK_CONFIG=0 (skip the config check before the servers
-# start), SGLANG_API_KEY (default: a random key per job), GPUS_PER_NODE (default: Slurm's
+# start; PLAN_GPU=h100-80gb: it also plans the trainer ranks' memory on that GPU, "" off, PLAN_STRICT=1 to
+# fail a layout that does not fit instead of warning), SGLANG_API_KEY (default: a random key per job), GPUS_PER_NODE (default: Slurm's
 # SLURM_GPUS_PER_NODE, else 8; 0 = CPU/gloo: no GPUs are bound and each node runs NPROC_PER_NODE training
 # ranks, default 1), CONVERT_CHECK=1 (before training: hf->mcore at the training layout across the
 # nodes, then mcore->hf --verify), EVAL_ARGS (after training: `megatron-opd eval` arguments for the
@@ -52,6 +53,8 @@ SRUN_ARGS="${SRUN_ARGS:-}"
 SERVER_TIMEOUT="${SERVER_TIMEOUT:-1800}"
 POLL_INTERVAL="${POLL_INTERVAL:-10}"
 CHECK_CONFIG="${CHECK_CONFIG:-1}"
+PLAN_GPU="${PLAN_GPU-h100-80gb}"   # the config check also plans the trainer ranks' memory on this GPU ("": off)
+PLAN_STRICT="${PLAN_STRICT:-0}"    # 1: a trainer rank that does not fit fails the check (default: a warning)
 
 NODES=()        # node names of the job, in SLURM order (for --nodelist)
 ADDRS=()        # their network addresses (for servers, URLs and rendezvous), same order
@@ -251,8 +254,11 @@ check_config() {
     shift
     [[ -f "$config" ]] || die "config file '$config' not found (relative paths are from $(pwd))"
     [[ "$CHECK_CONFIG" == 1 ]] || return 0
+    local plan=()
+    [[ -n "$PLAN_GPU" ]] && plan=(--plan-gpu "$PLAN_GPU")
+    [[ "$PLAN_STRICT" == 1 && -n "$PLAN_GPU" ]] && plan+=(--plan-strict)
     if is_dry_run; then   # a dry run off-cluster has no model or data paths to check
-        "$PYTHON" -m megatron_opd.launch check-config --skip-paths --config "$config" "$@" >&2 ||
+        "$PYTHON" -m megatron_opd.launch check-config --skip-paths "${plan[@]}" --config "$config" "$@" >&2 ||
             die "config check failed for $config (see the message above)"
         return 0
     fi
@@ -261,7 +267,7 @@ check_config() {
     local n=${#NODES[@]}
     "$SRUN" --nodes="$n" --ntasks="$n" --ntasks-per-node=1 \
         env ${CHECK_WORLD_SIZE:+WORLD_SIZE="$CHECK_WORLD_SIZE"} \
-        "$PYTHON" -m megatron_opd.launch check-config --config "$config" "$@" >&2 ||
+        "$PYTHON" -m megatron_opd.launch check-config "${plan[@]}" --config "$config" "$@" >&2 ||
         die "config check failed for $config on the job's nodes (see the message above)"
 }
 
