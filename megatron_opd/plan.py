@@ -388,7 +388,7 @@ def alternatives(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional
     out: list[str] = []
     found: list[tuple[int, int, str]] = []
     for tp in (1, 2, 4, 8):
-        if student.heads % tp or student.kv_heads % tp and tp % student.kv_heads:
+        if student.heads % tp or student.kv_heads % tp:
             continue
         for pp in (1, 2, 4, 8):
             if student.layers % pp or cluster.trainer % (tp * pp):
