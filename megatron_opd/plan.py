@@ -121,12 +121,17 @@ def arch_from(path: Optional[str], what: str) -> Arch:
         raise ValueError(f"{what}: no hf_path in the config")
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
-        c = json.loads(cfg_file.read_text())
-        heads = int(c["num_attention_heads"])
-        return Arch(Path(path).name, int(c["num_hidden_layers"]), int(c["hidden_size"]), heads,
-                    int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or c["hidden_size"] // heads),
-                    int(c["intermediate_size"]), int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)),
-                    c.get("model_type") == "qwen2")
+        try:
+            c = json.loads(cfg_file.read_text())
+            heads = int(c["num_attention_heads"])
+            return Arch(Path(path).name, int(c["num_hidden_layers"]), int(c["hidden_size"]), heads,
+                        int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or c["hidden_size"] // heads),
+                        int(c["intermediate_size"]), int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)),
+                        c.get("model_type") == "qwen2")
+        except KeyError as e:
+            raise ValueError(f"{what}: {cfg_file} has no {e.args[0]}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: {cfg_file} is not a usable model config ({e})") from None
     known = KNOWN_ARCHS.get(Path(path).name.lower())
     if known is None:
         raise ValueError(f"{what}: {cfg_file} not found and {Path(path).name!r} is not a known model "

@@ -140,7 +140,7 @@ def test_does_not_fit_lists_layouts_that_do_and_strict_fails(tmp_path):
     assert strict.returncode == 1
 
 
-def test_bad_inputs_get_one_clear_message():
+def test_bad_inputs_get_one_clear_message(tmp_path):
     cfg = str(REPO / "examples" / "qwen2.5-math-1.5b_opd.yaml")
     res = _plan("--config", cfg, "--gpu", "a100-blue")
     assert res.returncode == 2 and "--gpu: unknown GPU 'a100-blue'" in res.stderr
@@ -150,6 +150,11 @@ def test_bad_inputs_get_one_clear_message():
     assert res.returncode == 2 and "leave no trainer GPU" in res.stderr
     res = _plan("--config", cfg, "model.hf_path=/nowhere/MyModel-3B")
     assert res.returncode == 2 and "'MyModel-3B' is not a known model" in res.stderr
+    broken = tmp_path / "Broken-1B"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    res = _plan("--config", cfg, f"model.hf_path={broken}")
+    assert res.returncode == 2 and "config.json has no num_attention_heads" in res.stderr
     res = _plan("--config", cfg, "train.micro_batch_size=0")
     assert res.returncode == 2 and "train.micro_batch_size" in res.stderr
 
