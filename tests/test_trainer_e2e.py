@@ -196,8 +196,9 @@ def test_teacher_keys_reach_the_teacher(setup, tmp_path, monkeypatch):
     try:
         seen, real = [], trainer.teacher_policy.score
         monkeypatch.setattr(trainer.teacher_policy, "score",
-                            lambda batch, micro_batch_size, max_tokens=None: seen.append(micro_batch_size) or real(
-                                batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens))
+                            lambda batch, micro_batch_size, max_tokens=None, pack=False: seen.append(
+                                micro_batch_size) or real(batch, micro_batch_size=micro_batch_size,
+                                                          max_tokens=max_tokens, pack=pack))
         trainer.train()
         assert seen == [1]
     finally:
