@@ -193,7 +193,6 @@ def row_lengths(batch: TrainBatch) -> list[int]:
     return [max(int(v) + 2, 2) for v in last]
 
 
-
 def budget_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, seq_multiple: int = 1,
                          own_length: bool = True) -> list[TrainBatch]:
     """Dynamic batching: `rows` as micro-batches of at most `max_tokens` padded tokens. With `own_length`
@@ -231,15 +230,15 @@ def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: in
             for part in parts]
 
 
-
-def pack_rows(batch: TrainBatch, rows: list[int], length: Optional[int] = None, seq_multiple: int = 1) -> TrainBatch:
+def pack_rows(batch: TrainBatch, rows: list[int], length: Optional[int] = None, seq_multiple: int = 1,
+              lengths: Optional[list[int]] = None) -> TrainBatch:
     """`rows` of `batch` as one packed sequence [1, L]: their real tokens back to back, each row's
     positions from 0, `segment_ids` telling the rows apart (attention must not cross them: the model
     gets a block-diagonal causal mask, or THD `PackedSeqParams` on Transformer Engine). The per-row
     fields keep the response layout [len(rows), T], with `response_index` pointing into the packed row.
     L is the rows' total rounded up to `seq_multiple`, or `length` (the same shape for every micro-batch
-    under pipeline parallelism)."""
-    lengths = row_lengths(batch)
+    under pipeline parallelism). `lengths`: `row_lengths(batch)`, when the caller has them."""
+    lengths = row_lengths(batch) if lengths is None else lengths
     part = batch.select(rows)
     lens = [lengths[r] for r in rows]
     total = sum(lens)
@@ -273,8 +272,7 @@ def pack_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, seq_
     lengths = row_lengths(batch)
     groups = pack_groups(lengths, rows, max_tokens)
     longest = round_up(max(sum(lengths[r] for r in g) for g in groups), seq_multiple)
-    return [pack_rows(batch, g, None if own_length else longest, seq_multiple) for g in groups]
-
+    return [pack_rows(batch, g, None if own_length else longest, seq_multiple, lengths) for g in groups]
 
 
 def plan_micro_batches(batch: TrainBatch, rows: list[int], *, micro_batch_size: int, max_tokens: Optional[int] = None,
