@@ -214,10 +214,11 @@ def budget_micro_batches(batch: TrainBatch, rows: list[int], max_tokens: int, se
 def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: int, seq_multiple: int = 1,
                         own_length: bool = True) -> list[TrainBatch]:
     """Split `rows` of `batch` into the fewest micro-batches of at most `micro_batch_size` rows, balanced
-    (10 rows at 8 -> 5 + 5, not 8 + 2 padded to 8 + 8: megatron's schedule needs one row count, so an
-    uneven split pays for masked rows). With `own_length` (PP=1) each is trimmed to its own length; under
-    PP>1 the stages exchange one shape, so all take the longest. Lengths are rounded up to `seq_multiple`
-    (FP8 / sequence parallel). Each part's `source_rows` records its rows in `batch` (-1: padding row)."""
+    (10 rows at 8 -> 5 + 5, not 8 + 2). With `own_length` (PP=1: megatron's schedule without pipelining
+    takes any shape) each keeps its own rows and length; under PP>1 the stages exchange one shape, so all
+    take the most rows (masked padding rows) and the longest length. Lengths are rounded up to
+    `seq_multiple` (FP8 / sequence parallel). Each part's `source_rows` records its rows in `batch` (-1:
+    padding row)."""
     n = -(-len(rows) // min(micro_batch_size, len(rows)))
     bounds = [round(i * len(rows) / n) for i in range(n + 1)]
     chunks = [rows[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -226,8 +227,8 @@ def split_micro_batches(batch: TrainBatch, rows: list[int], micro_batch_size: in
     for part, c in zip(parts, chunks):
         part.source_rows = torch.as_tensor(c, dtype=torch.long)
     longest = round_up(max(p.tokens.shape[1] for p in parts), seq_multiple)
-    return [pad_batch(part, size, round_up(part.tokens.shape[1], seq_multiple) if own_length else longest)
-            for part in parts]
+    return [pad_batch(part, part.batch_size, round_up(part.tokens.shape[1], seq_multiple)) if own_length
+            else pad_batch(part, size, longest) for part in parts]
 
 
 def pack_rows(batch: TrainBatch, rows: list[int], length: Optional[int] = None, seq_multiple: int = 1,
