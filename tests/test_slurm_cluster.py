@@ -231,39 +231,93 @@ def test_preemption_before_training_starts_is_kept(cluster, inputs, tmp_path):
     subprocess.run(["scancel", job], env=env, check=True, timeout=30)
 
 
-def _kill_rank(job: str, rank: int) -> int:
-    """SIGKILL the training worker of `rank` in `job` (found by its environment), return its pid."""
+def _rank_pid(job: str, rank: int) -> int:
+    """The pid of the training worker of `rank` in `job` (found by its environment)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
             env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except OSError:
             continue
+        # ppid 1: an orphan of an earlier cluster's job with the same id, not this job's worker
         if (b"megatron_opd.cli" in cmd and env.get(b"SLURM_JOB_ID") == job.encode()
-                and env.get(b"RANK") == str(rank).encode()):
-            os.kill(int(proc.name), signal.SIGKILL)
+                and env.get(b"RANK") == str(rank).encode() and ppid != 1):
             return int(proc.name)
     raise AssertionError(f"no training worker of rank {rank} in job {job}")
 
 
+def _processes_of(job: str, since: float) -> list[int]:
+    """Live processes of `job` started after `since` (job ids repeat across local clusters)."""
+    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        started = boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
+        if f"SLURM_JOB_ID={job}".encode() in env and stat[0] not in ("Z", "X") and started >= since - 1:
+            found.append(int(proc.name))
+    return found
+
+
+def _kill_rank_while_it_has_forked(job: str, rank: int, timeout: float = 60) -> int:
+    """SIGKILL the training worker of `rank` while it waits for the helpers megatron's checkpoint writer forks
+    during every save (save_every: 1), then let the helpers go on. A rank killed at that moment once left the
+    job waiting a minute: the helpers blocked on the dead rank's lock and lived on, holding its gloo sockets
+    open. The helpers are frozen (SIGSTOP) until the rank is asleep waiting for them, so the moment is hit
+    every time, not by chance. Returns the worker's pid."""
+    pid = _rank_pid(job, rank)
+    main = Path(f"/proc/{pid}/task/{pid}")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        helpers = [int(c) for c in (main / "children").read_text().split()]
+        if not helpers:
+            time.sleep(0.001)
+            continue
+        for h in helpers:
+            os.kill(h, signal.SIGSTOP)
+        waiting = time.time() + 2
+        while time.time() < waiting and not (main / "wchan").read_text().startswith("futex"):
+            time.sleep(0.01)
+        killed = (main / "wchan").read_text().startswith("futex")
+        if killed:
+            os.kill(pid, signal.SIGKILL)
+        for h in helpers:
+            try:
+                os.kill(h, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if killed:
+            return pid
+    raise AssertionError(f"rank {rank} (pid {pid}) never waited for a forked helper in {timeout:.0f} s")
+
+
 def test_node_fault_fails_fast_naming_the_rank_and_resubmission_resumes(cluster, inputs, full_job, tmp_path):
-    """(c): a rank SIGKILLed mid-step -> the job fails in bounded time, naming it; no corrupt checkpoint;
+    """(c): a rank SIGKILLed mid-step (while its checkpoint writer's helpers run) -> the job fails in bounded
+    time, naming it; no corrupt checkpoint;
     the same job submitted again resumes from the last complete checkpoint and ends as the full job."""
     out, log = tmp_path / "run", tmp_path / "job.out"
     env = _env(cluster, inputs, out)
+    submitted = time.time()
     res = _submit(env, log, *_overrides(inputs))
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip()
     _wait_for_step(out, 2)
+    _kill_rank_while_it_has_forked(job, 1)
     killed_at = time.time()
-    _kill_rank(job, 1)
     info = _wait(env, job, ("FAILED", "COMPLETED", "CANCELLED"), 120, log)
     failed_in = time.time() - killed_at
     text = log.read_text(errors="replace")
     assert info["JobState"] == "FAILED", text[-4000:]
     assert failed_in < 60, f"the job took {failed_in:.0f} s to fail"
+    assert not _processes_of(job, submitted), "processes of the failed job outlived it"
     err = next(line for line in text.splitlines() if "ERROR: training failed" in line)
     assert "node n2 (node_rank 1" in err and "rank 1" in err and "SIGKILL" in err, err
     # every checkpoint the run kept is complete and loads

@@ -15,10 +15,14 @@ a sibling `.<name>.partial` directory that rank 0 renames into place after a bar
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
 import shutil
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,6 +51,36 @@ def _writer_without_a_server_process() -> None:
     leaks). Our saves are synchronous: every put and get happens in this process, so a plain queue does."""
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+_PR_SET_PDEATHSIG = 1
+_fork_guard = {"installed": False, "from_main_thread": False, "parent": 0}
+
+
+def _note_fork() -> None:
+    _fork_guard["from_main_thread"] = threading.current_thread() is threading.main_thread()
+    _fork_guard["parent"] = os.getpid()
+
+
+def _die_with_parent() -> None:
+    if not _fork_guard["from_main_thread"]:
+        return  # PR_SET_PDEATHSIG fires when the forking *thread* ends: only the main thread lives as long as we do
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0 and os.getppid() != _fork_guard["parent"]:
+        os._exit(1)  # the parent died before the signal was armed
+
+
+def forked_helpers_die_with_this_process() -> None:
+    """Every process this one forks from its main thread gets SIGKILL when this one dies (Linux; idempotent).
+
+    megatron's torch_dist writer forks one process per write bucket, even for a synchronous save. A rank
+    SIGKILLed while they write leaves them behind: each holds a copy of the rank's gloo sockets, so the peers
+    never see the connection drop and wait in their collective (the job's step stays open too; on Slurm it
+    failed a minute late instead of in seconds), and nothing reaps them."""
+    if _fork_guard["installed"] or not sys.platform.startswith("linux"):
+        return
+    os.register_at_fork(before=_note_fork, after_in_child=_die_with_parent)
+    _fork_guard["installed"] = True
 
 
 class CheckpointError(RuntimeError):
@@ -122,6 +156,7 @@ def save_model_checkpoint(model: torch.nn.Module, ckpt_dir: str | os.PathLike, *
     tmp = prepare_partial(ckpt_dir, overwrite=overwrite)
     gpt = _gpt(model)
     _writer_without_a_server_process()
+    forked_helpers_die_with_this_process()
     dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp))
     if _rank() == 0:
         dtype = next(iter(gpt.parameters())).dtype
@@ -263,6 +298,7 @@ def save_training_state(model: torch.nn.Module, optimizer: Any, ckpt_dir: str | 
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(msd, is_loading=False, metadata=RESHARDABLE)
     _writer_without_a_server_process()
+    forked_helpers_die_with_this_process()
     dist_checkpointing.save(state, str(ckpt_dir))
 
 
