@@ -36,7 +36,7 @@ from megatron_opd.metrics.runlog import read_metrics
 from megatron_opd.models.parallel import destroy_parallel
 from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
 from megatron_opd.models.tiny import make_tiny_hf_model
-from megatron_opd.reproduce import SEEDS, reproduce
+from megatron_opd.reproduce import ARMS, SEEDS, reproduce
 from megatron_opd.rollout.base import SamplingParams
 from megatron_opd.rollout.local import LocalEngine
 from megatron_opd.trainer.loop import Trainer
@@ -266,6 +266,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--all-seeds", action="store_true", help=f"with --reproduce: every seed ({', '.join(map(str, SEEDS))})")
     p.add_argument("--seed", type=int, default=None,
                    help="with --reproduce: this seed instead of the first (train.seed and rollout.seed both vary)")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="with --reproduce: the arms to run, comma-separated (default all); another arm whose run "
+                        "directory in --out already holds metrics is still judged")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps (default {DEMO_SETTING[0]}; with --compare {COMPARE_SETTING[0]})")
     p.add_argument("--out", default=None,
@@ -288,10 +291,14 @@ def main(argv: list[str]) -> int:
     if args.reproduce:
         if args.compare or args.steps is not None or args.inputs_only:
             p.error("--reproduce runs its own setting: no --compare, --steps or --inputs-only")
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown or not arms:
+            p.error(f"--arms {args.arms!r}: expected a comma-separated subset of {', '.join(ARMS)}")
         student, teacher = prepare_reproduction_pair(cache, args.tiny, log=lambda m: print(m, flush=True))
         seeds = SEEDS if args.all_seeds else (args.seed if args.seed is not None else SEEDS[0],)
         return reproduce(out, student, teacher, args.tiny, seeds, args.overrides, run_preset, compare_table,
-                         N_TRAIN, 8 if args.tiny else N_EVAL)
+                         N_TRAIN, 8 if args.tiny else N_EVAL, arms)
     print(f"[demo] preparing models in {cache} (the first run converts SmolLM2 from GGUF and fine-tunes the "
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))

@@ -62,8 +62,12 @@ def probe_pair(student: Path, teacher: Path, budget: int, n: int, out: Path) -> 
 
 def reproduce(out: Path, student: Path, teacher: Path, tiny: bool, seeds: tuple[int, ...], overrides: list[str],
               run_preset: Callable[..., dict], compare_table: Callable[[list[Path]], str], n_train: int,
-              n_eval: int) -> int:
-    """Probe, then every (seed, arm) run, then the figure, the table and the checker's verdict (its exit code)."""
+              n_eval: int, arms: tuple[str, ...] = ARMS) -> int:
+    """Probe, then every (seed, arm) run, then the figure, the table and the checker's verdict (its exit code).
+
+    Only `arms` are run; another arm's run directory that already holds metrics (a finished run, or one
+    copied from docs/reproduction/) is still judged, so one arm can be added to a reproduction without
+    re-running the others."""
     t0 = time.time()
     setting = TINY_SETTING if tiny else SETTING
     data = write_builtin_jsonl(out / "data", n_train=n_train, n_eval=n_eval)
@@ -75,8 +79,12 @@ def reproduce(out: Path, student: Path, teacher: Path, tiny: bool, seeds: tuple[
     for seed in seeds:
         for arm in ARMS:
             run = out / f"{arm}-seed{seed}"
-            run_preset(arm, run, student, teacher, data, setting["steps"], tiny,
-                       arm_overrides(seed, setting, threshold) + list(overrides), setting["budget"])
+            if arm in arms:
+                run_preset(arm, run, student, teacher, data, setting["steps"], tiny,
+                           arm_overrides(seed, setting, threshold) + list(overrides), setting["budget"])
+            elif not (run / "metrics.jsonl").is_file():
+                print(f"[reproduce] {run.name}: not run (not in --arms) and no metrics there", flush=True)
+                continue
             runs.append(run)
     png = plot_runs(runs, out / "reproduction.png", REPRODUCTION_PANELS)
     table = compare_table(runs)

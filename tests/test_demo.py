@@ -5,6 +5,7 @@ the student before its first step and at the end. The real-model demo runs in `.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,16 @@ def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp
     assert demo.main(["--reproduce", "--tiny", "--seed", "5", "--out", str(out), "--cache", str(cache),
                       "logging.progress_bar=false"]) == 1
     assert [(f.read_text(), f.stat().st_mtime_ns) for f in files] == before  # nothing re-trained or re-logged
+    # one arm added to the others' runs: only it trains; all three are judged
+    shutil.rmtree(out / "stable_opd-seed5")
+    assert demo.main(["--reproduce", "--tiny", "--seed", "5", "--arms", "stable_opd", "--out", str(out),
+                      "--cache", str(cache), "logging.progress_bar=false"]) == 1
+    assert [(f.read_text(), f.stat().st_mtime_ns) for f in files[:2]] == before[:2]
+    assert json.loads(files[2].read_text().splitlines()[-1])["step"] == TINY_SETTING["steps"]
+    table = (out / "table.md").read_text()
+    assert all(f"| {arm}-seed5 |" in table for arm in ARMS), table
+    with pytest.raises(SystemExit):
+        demo.main(["--reproduce", "--tiny", "--arms", "stable,opd", "--out", str(out), "--cache", str(cache)])
     with pytest.raises(SystemExit):
         demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
 
