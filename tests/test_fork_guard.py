@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 RANK = r"""
 import multiprocessing as mp, os, sys, time
@@ -89,8 +91,9 @@ def test_a_killed_rank_takes_its_forked_helpers_along_and_the_peer_sees_it(tmp_p
     assert "peer lost after" in out, out
 
 
+@pytest.mark.slow
 def test_without_the_guard_the_helper_survives_and_the_peer_keeps_waiting(tmp_path):
-    """The control: what the guard fixes is real on this machine."""
+    """The control: what the guard fixes is real on this machine (slow leg: it waits out the hang)."""
     out, outlived = _run_pair(tmp_path, guard=False)
     assert outlived
     assert out == "still waiting", out
