@@ -231,40 +231,36 @@ def test_preemption_before_training_starts_is_kept(cluster, inputs, tmp_path):
     subprocess.run(["scancel", job], env=env, check=True, timeout=30)
 
 
-def _rank_pid(job: str, rank: int) -> int:
-    """The pid of the training worker of `rank` in `job` (found by its environment)."""
+def _procs():
+    """(pid, argv, environment, stat fields after the command name) of every process we can read."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
             env = dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        # ppid 1: an orphan of an earlier cluster's job with the same id, not this job's worker
+        yield int(proc.name), cmd, env, stat
+
+
+def _rank_pid(job: str, rank: int) -> int:
+    """The pid of the training worker of `rank` in `job` (found by its environment)."""
+    for pid, cmd, env, stat in _procs():
+        # parent 1: an orphan of an earlier cluster's job with the same id, not this job's worker
         if (b"megatron_opd.cli" in cmd and env.get(b"SLURM_JOB_ID") == job.encode()
-                and env.get(b"RANK") == str(rank).encode() and ppid != 1):
-            return int(proc.name)
+                and env.get(b"RANK") == str(rank).encode() and stat[1] != "1"):
+            return pid
     raise AssertionError(f"no training worker of rank {rank} in job {job}")
 
 
 def _processes_of(job: str, since: float) -> list[int]:
     """Live processes of `job` started after `since` (job ids repeat across local clusters)."""
     boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        started = boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")
-        if f"SLURM_JOB_ID={job}".encode() in env and stat[0] not in ("Z", "X") and started >= since - 1:
-            found.append(int(proc.name))
-    return found
+    return [pid for pid, _, env, stat in _procs()
+            if env.get(b"SLURM_JOB_ID") == job.encode() and stat[0] not in ("Z", "X")
+            and boot + int(stat[19]) / os.sysconf("SC_CLK_TCK") >= since - 1]
 
 
 def _kill_rank_while_it_has_forked(job: str, rank: int, timeout: float = 60) -> int:
