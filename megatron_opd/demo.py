@@ -36,7 +36,7 @@ from megatron_opd.metrics.runlog import read_metrics
 from megatron_opd.models.parallel import destroy_parallel
 from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
 from megatron_opd.models.tiny import make_tiny_hf_model
-from megatron_opd.reproduce import ARMS, SEEDS, reproduce
+from megatron_opd.reproduce import ARMS, SEEDS, SETTINGS, TINY_SETTING, reproduce
 from megatron_opd.rollout.base import SamplingParams
 from megatron_opd.rollout.local import LocalEngine
 from megatron_opd.trainer.loop import Trainer
@@ -53,6 +53,15 @@ TEACHER_RECIPE = {"problems": 2000, "data_seed": 1, "steps": 20, "batch_size": 1
 CHECKED_TEACHER_RECIPE = {**TEACHER_RECIPE, "style": "checked"}
 TINY_TEACHER_RECIPE = {"problems": 64, "data_seed": 1, "steps": 12, "batch_size": 8, "lr": 3e-3,
                        "params_dtype": "float32", "micro_batch_size": 8}
+# Setting B of the reproduction (docs/reproduction.md): byte-level Qwen2-class models trained from scratch, a
+# small student on one-line solutions and an 8x larger teacher on checked ones (a capacity gap like 1.5B vs 7B).
+BYTE_MODELS = {"student": dict(hidden_size=96, intermediate_size=288, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2),
+               "teacher": dict(hidden_size=192, intermediate_size=576, num_hidden_layers=4, num_attention_heads=6,
+                               num_key_value_heads=2)}
+BYTE_RECIPE = {"problems": 4000, "data_seed": 1, "steps": 200, "batch_size": 32, "lr": 3e-3,
+               "params_dtype": "float32", "micro_batch_size": 32}
+TINY_BYTE_RECIPE = {**BYTE_RECIPE, "problems": 64, "steps": 2, "batch_size": 4, "micro_batch_size": 4}
 N_TRAIN, N_EVAL = 200, 48  # the demo's OPD prompts and held-out problems (builtin arithmetic, seed 0)
 # (steps, response budget in tokens). One run: every preset learns here within minutes. --compare: long
 # enough, with room for responses to grow, for plain OPD to degrade (docs/reproduction.md has the search).
@@ -85,6 +94,23 @@ def prepare_reproduction_pair(cache: Path, tiny: bool, log: Callable[[str], None
     recipe = TINY_TEACHER_RECIPE if tiny else TEACHER_RECIPE
     return (prepare_teacher(base, cache, recipe, log),
             prepare_teacher(base, cache, {**recipe, "style": "checked"}, log))
+
+
+def prepare_byte_pair(cache: Path, recipe: dict = BYTE_RECIPE,
+                      log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """(student, teacher) of the reproduction's setting B: BYTE_MODELS built at random (seeds 0 and 1) with the
+    byte tokenizer, then trained from scratch by `prepare_teacher` on short and on checked solutions. Cached."""
+    tok = byte_tokenizer()
+    pair = []
+    for seed, (name, style) in enumerate((("student", "short"), ("teacher", "checked"))):
+        base = cache / f"bytes-{name}"
+        if not _tiny_model_ok(base):
+            make_tiny_hf_model("qwen2", base, seed=seed, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
+                               bos_token_id=1, max_position_embeddings=2048, **BYTE_MODELS[name])
+            tok.save_pretrained(str(base))
+            (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+        pair.append(prepare_teacher(base, cache, {**recipe, "style": style}, log))
+    return pair[0], pair[1]
 
 
 def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str], None] = print) -> Path:
@@ -263,6 +289,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reproduce", action="store_true",
                    help="the length-inflation reproduction (docs/reproduction.md): the pair probe, then opd, opd_kl "
                         "and stable_opd on one seed, the checker's verdict, a figure and a table")
+    p.add_argument("--setting", default="smollm2", choices=list(SETTINGS),
+                   help="with --reproduce: the pair and its setting (docs/reproduction.md): smollm2 (SmolLM2 "
+                        "fine-tuned both ways, 256 tokens, 50 steps) or bytes (byte-level models trained from "
+                        "scratch, 512 bytes, 200 steps)")
     p.add_argument("--all-seeds", action="store_true", help=f"with --reproduce: every seed ({', '.join(map(str, SEEDS))})")
     p.add_argument("--seed", type=int, default=None,
                    help="with --reproduce: this seed instead of the first (train.seed and rollout.seed both vary)")
@@ -295,10 +325,17 @@ def main(argv: list[str]) -> int:
         unknown = [a for a in arms if a not in ARMS]
         if unknown or not arms:
             p.error(f"--arms {args.arms!r}: expected a comma-separated subset of {', '.join(ARMS)}")
-        student, teacher = prepare_reproduction_pair(cache, args.tiny, log=lambda m: print(m, flush=True))
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        setting = SETTINGS[args.setting]
+        if args.setting == "bytes":
+            student, teacher = prepare_byte_pair(cache, TINY_BYTE_RECIPE if args.tiny else BYTE_RECIPE, log)
+        else:
+            student, teacher = prepare_reproduction_pair(cache, args.tiny, log)
+        if args.tiny:
+            setting = {**TINY_SETTING, "overrides": setting["overrides"]}
         seeds = SEEDS if args.all_seeds else (args.seed if args.seed is not None else SEEDS[0],)
         return reproduce(out, student, teacher, args.tiny, seeds, args.overrides, run_preset, compare_table,
-                         N_TRAIN, 8 if args.tiny else N_EVAL, arms)
+                         N_TRAIN, 8 if args.tiny else N_EVAL, arms, setting)
     print(f"[demo] preparing models in {cache} (the first run converts SmolLM2 from GGUF and fine-tunes the "
           "teacher: a few minutes)", flush=True)
     student, teacher = prepare_models(cache, args.tiny, log=lambda m: print(m, flush=True))

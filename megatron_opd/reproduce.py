@@ -27,9 +27,16 @@ from megatron_opd.trainer.plot import REPRODUCTION_PANELS, plot_runs
 ARMS = ("opd", "opd_kl", "stable_opd")
 SEEDS = (0, 1, 2)
 ROLLOUT_SEED_BASE = 1234
-# Fixed before the runs (docs/reproduction.md, "The reproduction's setting"): steps, budget, eval cadence.
-SETTING = {"steps": 50, "budget": 256, "eval_every": 10}
-TINY_SETTING = {"steps": 4, "budget": 32, "eval_every": 2}  # the demo's tiny budget
+# Fixed before their runs (docs/reproduction.md, "The reproduction's setting" and "Setting B"): steps, budget,
+# eval cadence, and what a setting sets on top of the demo's common setting.
+SETTINGS = {
+    # SmolLM2 fine-tuned on one-line solutions, under SmolLM2 fine-tuned on checked ones
+    "smollm2": {"steps": 50, "budget": 256, "eval_every": 10, "overrides": []},
+    # byte-level models trained from scratch (demo.prepare_byte_pair): cheap steps, so more of them and more room
+    "bytes": {"steps": 200, "budget": 512, "eval_every": 10,
+              "overrides": ["train.prompts_per_step=8", "optim.lr=1e-4"]},
+}
+TINY_SETTING = {"steps": 4, "budget": 32, "eval_every": 2, "overrides": []}  # the demo's tiny budget
 
 
 def arm_overrides(seed: int, setting: dict, text_threshold: float) -> list[str]:
@@ -62,14 +69,17 @@ def probe_pair(student: Path, teacher: Path, budget: int, n: int, out: Path) -> 
 
 def reproduce(out: Path, student: Path, teacher: Path, tiny: bool, seeds: tuple[int, ...], overrides: list[str],
               run_preset: Callable[..., dict], compare_table: Callable[[list[Path]], str], n_train: int,
-              n_eval: int, arms: tuple[str, ...] = ARMS) -> int:
+              n_eval: int, arms: tuple[str, ...] = ARMS, setting: dict | None = None) -> int:
     """Probe, then every (seed, arm) run, then the figure, the table and the checker's verdict (its exit code).
+    `setting` is one of SETTINGS (default: the SmolLM2 pair's, or TINY_SETTING with `tiny`), with the setting's
+    own overrides applied over the arm's and under the user's.
 
     Only `arms` are run; another arm's run directory that already holds metrics (a finished run, or one
     copied from docs/reproduction/) is still judged, so one arm can be added to a reproduction without
     re-running the others."""
     t0 = time.time()
-    setting = TINY_SETTING if tiny else SETTING
+    if setting is None:
+        setting = TINY_SETTING if tiny else SETTINGS["smollm2"]
     data = write_builtin_jsonl(out / "data", n_train=n_train, n_eval=n_eval)
     report = probe_pair(student, teacher, setting["budget"], 8 if tiny else 32, out)
     threshold = max(1.0, report["teacher"]["zlib_ratio"]["p99"])
@@ -81,7 +91,8 @@ def reproduce(out: Path, student: Path, teacher: Path, tiny: bool, seeds: tuple[
             run = out / f"{arm}-seed{seed}"
             if arm in arms:
                 run_preset(arm, run, student, teacher, data, setting["steps"], tiny,
-                           arm_overrides(seed, setting, threshold) + list(overrides), setting["budget"])
+                           arm_overrides(seed, setting, threshold) + setting["overrides"] + list(overrides),
+                           setting["budget"])
             elif not (run / "metrics.jsonl").is_file():
                 print(f"[reproduce] {run.name}: not run (not in --arms) and no metrics there", flush=True)
                 continue

@@ -121,6 +121,35 @@ def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp
         demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
 
 
+def test_tiny_reproduce_bytes_setting_trains_its_pair_from_scratch_and_applies_its_overrides(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`demo --reproduce --setting bytes --tiny`: the setting-B pair is built at its real sizes with the byte
+    tokenizer, trained from scratch (2 SFT steps here) on short and on checked solutions, probed, and the arm
+    runs with the setting's own overrides (8 prompts a step, lr 1e-4) at the tiny budget."""
+    import yaml
+
+    from megatron_opd.reproduce import SETTINGS, TINY_SETTING
+
+    out, cache = tmp_path / "repro", tmp_path / "cache"
+    rc = demo.main(["--reproduce", "--tiny", "--setting", "bytes", "--arms", "opd", "--seed", "3", "--out", str(out),
+                    "--cache", str(cache), "logging.progress_bar=false"])
+    printed = capsys.readouterr().out
+    assert rc == 1 and "opd_kl-seed3: not run" in printed
+    probe = json.loads((out / "probe.json").read_text())
+    for role in ("student", "teacher"):
+        d = Path(probe[f"{role}_path"])
+        assert d.parent == cache and d.name.startswith(f"bytes-{role}-")
+        cfg = json.loads((d / "config.json").read_text())
+        assert {k: cfg[k] for k in demo.BYTE_MODELS[role]} == demo.BYTE_MODELS[role] and cfg["vocab_size"] == 259
+        meta = json.loads((d / "sft_meta.json").read_text())
+        assert meta["recipe"] == {**demo.TINY_BYTE_RECIPE, "style": "short" if role == "student" else "checked"}
+    cfg = yaml.safe_load((out / "opd-seed3" / "config.yaml").read_text())
+    assert cfg["train"]["prompts_per_step"] == 8 and cfg["optim"]["lr"] == pytest.approx(1e-4)
+    assert cfg["rollout"]["max_new_tokens"] == TINY_SETTING["budget"] and cfg["train"]["steps"] == TINY_SETTING["steps"]
+    assert SETTINGS["bytes"]["budget"] == 512 and SETTINGS["bytes"]["steps"] == 200
+    assert not (out / "stable_opd-seed3").exists()
+
+
 def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> None:
     from megatron_opd.trainer.plot import plot_runs
 
