@@ -100,15 +100,9 @@ def prepare_byte_pair(cache: Path, recipe: dict = BYTE_RECIPE,
                       log: Callable[[str], None] = print) -> tuple[Path, Path]:
     """(student, teacher) of the reproduction's setting B: BYTE_MODELS built at random (seeds 0 and 1) with the
     byte tokenizer, then trained from scratch by `prepare_teacher` on short and on checked solutions. Cached."""
-    tok = byte_tokenizer()
     pair = []
     for seed, (name, style) in enumerate((("student", "short"), ("teacher", "checked"))):
-        base = cache / f"bytes-{name}"
-        if not _tiny_model_ok(base):
-            make_tiny_hf_model("qwen2", base, seed=seed, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
-                               bos_token_id=1, max_position_embeddings=2048, **BYTE_MODELS[name])
-            tok.save_pretrained(str(base))
-            (base / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+        base = _byte_model(cache / f"bytes-{name}", seed, **BYTE_MODELS[name])
         pair.append(prepare_teacher(base, cache, {**recipe, "style": style}, log))
     return pair[0], pair[1]
 
@@ -181,21 +175,22 @@ def _tiny_model_ok(d: Path) -> bool:
     return len(AutoTokenizer.from_pretrained(str(d))) <= json.loads((d / "config.json").read_text())["vocab_size"]
 
 
+def _byte_model(d: Path, seed: int, **sizes: int) -> Path:
+    """A random Qwen2-class model with the byte tokenizer (EOS = <|im_end|>, id 2) in `d`, unless one is cached."""
+    if not _tiny_model_ok(d):
+        tok = byte_tokenizer()
+        make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
+                           bos_token_id=1, max_position_embeddings=2048, **sizes)
+        tok.save_pretrained(str(d))
+        gen = d / "generation_config.json"
+        g = json.loads(gen.read_text()) if gen.is_file() else {}
+        g["eos_token_id"] = 2
+        gen.write_text(json.dumps(g))
+    return d
+
+
 def _tiny_models(root: Path) -> tuple[Path, Path]:
-    tok = byte_tokenizer()
-    out = []
-    for name, seed, layers in (("student", 0, 2), ("teacher", 1, 3)):
-        d = root / name
-        if not _tiny_model_ok(d):
-            make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), num_hidden_layers=layers,
-                               eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=2048)
-            tok.save_pretrained(str(d))
-            gen = d / "generation_config.json"
-            g = json.loads(gen.read_text()) if gen.is_file() else {}
-            g["eos_token_id"] = 2
-            gen.write_text(json.dumps(g))
-        out.append(d)
-    return out[0], out[1]
+    return _byte_model(root / "student", 0, num_hidden_layers=2), _byte_model(root / "teacher", 1, num_hidden_layers=3)
 
 
 def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Path, preset: str, steps: int,
