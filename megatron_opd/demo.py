@@ -20,6 +20,7 @@ import gc
 import hashlib
 import json
 import logging
+import random
 import shutil
 import time
 from pathlib import Path
@@ -62,6 +63,11 @@ BYTE_MODELS = {"student": dict(hidden_size=96, intermediate_size=288, num_hidden
 BYTE_RECIPE = {"problems": 4000, "data_seed": 1, "steps": 200, "batch_size": 32, "lr": 3e-3,
                "params_dtype": "float32", "micro_batch_size": 32}
 TINY_BYTE_RECIPE = {**BYTE_RECIPE, "problems": 64, "steps": 2, "batch_size": 4, "micro_batch_size": 4}
+# Setting C: setting B's pair, each fine-tuned further on new problems (data seed 2). The student only gets more
+# of its one-line solutions; the teacher sees one-line solutions as a quarter of its data, so it reads the
+# student's text (setting B's teacher never saw one) while it still writes checked solutions three times in four.
+SUPPORT_STAGES = {"student": {"data_seed": 2, "steps": 300, "lr": 1e-3, "style": "short"},
+                  "teacher": {"data_seed": 2, "steps": 100, "lr": 1e-3, "style": "checked", "short_fraction": 0.25}}
 N_TRAIN, N_EVAL = 200, 48  # the demo's OPD prompts and held-out problems (builtin arithmetic, seed 0)
 # (steps, response budget in tokens). One run: every preset learns here within minutes. --compare: long
 # enough, with room for responses to grow, for plain OPD to degrade (docs/reproduction.md has the search).
@@ -107,6 +113,31 @@ def prepare_byte_pair(cache: Path, recipe: dict = BYTE_RECIPE,
     return pair[0], pair[1]
 
 
+def prepare_support_pair(cache: Path, recipe: dict = BYTE_RECIPE,
+                         log: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """(student, teacher) of the reproduction's setting C: setting B's pair, each fine-tuned by `prepare_teacher`
+    for SUPPORT_STAGES (with the tiny recipe: as many steps as it has). Cached."""
+    pair = prepare_byte_pair(cache, recipe, log)
+    tiny = recipe["steps"] < BYTE_RECIPE["steps"]
+    return tuple(prepare_teacher(base, cache, {**recipe, **SUPPORT_STAGES[role],
+                                                **({"steps": recipe["steps"]} if tiny else {})}, log)
+                 for base, role in zip(pair, ("student", "teacher")))
+
+
+def sft_rows(recipe: dict) -> list[dict]:
+    """The SFT rows of a recipe: its problems with solutions in its style, or, with `short_fraction`, each
+    problem's one-line solution instead with that probability (seeded by the recipe's data seed)."""
+    rows = make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"], style=recipe.get("style", "short"))
+    frac = recipe.get("short_fraction", 0.0)
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"recipe short_fraction: expected a fraction in [0, 1], got {frac}")
+    if frac:
+        short = make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"], style="short")
+        pick = random.Random(recipe["data_seed"])
+        rows = [s if pick.random() < frac else r for s, r in zip(short, rows)]
+    return rows
+
+
 def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str], None] = print) -> Path:
     """The student fine-tuned (`trainer.sft.run_sft`) on worked solutions of `recipe["problems"]` builtin
     arithmetic problems drawn with their own seed, none of them among the demo's held-out problems.
@@ -121,8 +152,7 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
         return out
     _, held_out = builtin_splits(N_TRAIN, N_EVAL, 0)
     avoid = {r["problem"] for r in held_out}
-    rows = [r for r in make_arithmetic_problems(recipe["problems"], seed=recipe["data_seed"],
-                                                style=recipe.get("style", "short")) if r["problem"] not in avoid]
+    rows = [r for r in sft_rows(recipe) if r["problem"] not in avoid]
     data = write_jsonl(rows, cache / f".{out.name}.data.jsonl")
     log(f"[demo] first run: making the teacher -- {recipe['steps']} SFT steps of {recipe['batch_size']} worked "
         f"solutions on {student.name} (megatron-opd sft; cached in {out})")
@@ -286,8 +316,9 @@ def main(argv: list[str]) -> int:
                         "and stable_opd on one seed, the checker's verdict, a figure and a table")
     p.add_argument("--setting", default="smollm2", choices=list(SETTINGS),
                    help="with --reproduce: the pair and its setting (docs/reproduction.md): smollm2 (SmolLM2 "
-                        "fine-tuned both ways, 256 tokens, 50 steps) or bytes (byte-level models trained from "
-                        "scratch, 512 bytes, 200 steps)")
+                        "fine-tuned both ways, 256 tokens, 50 steps), bytes (byte-level models trained from "
+                        "scratch, 512 bytes, 200 steps) or bytes-support (the bytes pair fine-tuned further, the "
+                        "teacher with a quarter one-line solutions; 512 bytes, 100 steps)")
     p.add_argument("--all-seeds", action="store_true", help=f"with --reproduce: every seed ({', '.join(map(str, SEEDS))})")
     p.add_argument("--seed", type=int, default=None,
                    help="with --reproduce: this seed instead of the first (train.seed and rollout.seed both vary)")
@@ -322,8 +353,9 @@ def main(argv: list[str]) -> int:
             p.error(f"--arms {args.arms!r}: expected a comma-separated subset of {', '.join(ARMS)}")
         log = lambda m: print(m, flush=True)  # noqa: E731
         setting = SETTINGS[args.setting]
-        if args.setting == "bytes":
-            student, teacher = prepare_byte_pair(cache, TINY_BYTE_RECIPE if args.tiny else BYTE_RECIPE, log)
+        if args.setting in ("bytes", "bytes-support"):
+            prepare = prepare_byte_pair if args.setting == "bytes" else prepare_support_pair
+            student, teacher = prepare(cache, TINY_BYTE_RECIPE if args.tiny else BYTE_RECIPE, log)
         else:
             student, teacher = prepare_reproduction_pair(cache, args.tiny, log)
         if args.tiny:

@@ -35,6 +35,9 @@ SETTINGS = {
     # byte-level models trained from scratch (demo.prepare_byte_pair): cheap steps, so more of them and more room
     "bytes": {"steps": 200, "budget": 512, "eval_every": 10,
               "overrides": ["train.prompts_per_step=8", "optim.lr=1e-4"]},
+    # the bytes pair fine-tuned further, the teacher on a quarter one-line solutions (demo.prepare_support_pair)
+    "bytes-support": {"steps": 100, "budget": 512, "eval_every": 10,
+                      "overrides": ["train.prompts_per_step=8", "optim.lr=1e-4"]},
 }
 TINY_SETTING = {"steps": 4, "budget": 32, "eval_every": 2, "overrides": []}  # the demo's tiny budget
 

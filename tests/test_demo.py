@@ -121,17 +121,20 @@ def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp
         demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
 
 
-def test_tiny_reproduce_bytes_setting_trains_its_pair_from_scratch_and_applies_its_overrides(
-        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """`demo --reproduce --setting bytes --tiny`: the setting-B pair is built at its real sizes with the byte
-    tokenizer, trained from scratch (2 SFT steps here) on short and on checked solutions, probed, and the arm
-    runs with the setting's own overrides (8 prompts a step, lr 1e-4) at the tiny budget."""
+@pytest.mark.parametrize("setting", ["bytes", "bytes-support"])
+def test_tiny_reproduce_bytes_settings_train_their_pair_from_scratch_and_apply_their_overrides(
+        setting: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`demo --reproduce --setting bytes|bytes-support --tiny`: the setting-B pair is built at its real sizes with
+    the byte tokenizer, trained from scratch (2 SFT steps here) on short and on checked solutions; setting C
+    fine-tunes each further for its SUPPORT_STAGES (new problems; the teacher's data mixes in one-line
+    solutions). The pair that is probed and run is the setting's, and the arm runs with the setting's own
+    overrides (8 prompts a step, lr 1e-4) at the tiny budget."""
     import yaml
 
     from megatron_opd.reproduce import SETTINGS, TINY_SETTING
 
     out, cache = tmp_path / "repro", tmp_path / "cache"
-    rc = demo.main(["--reproduce", "--tiny", "--setting", "bytes", "--arms", "opd", "--seed", "3", "--out", str(out),
+    rc = demo.main(["--reproduce", "--tiny", "--setting", setting, "--arms", "opd", "--seed", "3", "--out", str(out),
                     "--cache", str(cache), "logging.progress_bar=false"])
     printed = capsys.readouterr().out
     assert rc == 1 and "opd_kl-seed3: not run" in printed
@@ -142,12 +145,35 @@ def test_tiny_reproduce_bytes_setting_trains_its_pair_from_scratch_and_applies_i
         cfg = json.loads((d / "config.json").read_text())
         assert {k: cfg[k] for k in demo.BYTE_MODELS[role]} == demo.BYTE_MODELS[role] and cfg["vocab_size"] == 259
         meta = json.loads((d / "sft_meta.json").read_text())
-        assert meta["recipe"] == {**demo.TINY_BYTE_RECIPE, "style": "short" if role == "student" else "checked"}
+        b_recipe = {**demo.TINY_BYTE_RECIPE, "style": "short" if role == "student" else "checked"}
+        if setting == "bytes":
+            assert meta["recipe"] == b_recipe
+        else:
+            assert meta["recipe"] == {**demo.TINY_BYTE_RECIPE, **demo.SUPPORT_STAGES[role],
+                                      "steps": demo.TINY_BYTE_RECIPE["steps"]}
+            b_model = Path(meta["source_model"])
+            assert b_model.parent == cache and json.loads((b_model / "sft_meta.json").read_text())["recipe"] == b_recipe
     cfg = yaml.safe_load((out / "opd-seed3" / "config.yaml").read_text())
     assert cfg["train"]["prompts_per_step"] == 8 and cfg["optim"]["lr"] == pytest.approx(1e-4)
     assert cfg["rollout"]["max_new_tokens"] == TINY_SETTING["budget"] and cfg["train"]["steps"] == TINY_SETTING["steps"]
-    assert SETTINGS["bytes"]["budget"] == 512 and SETTINGS["bytes"]["steps"] == 200
+    assert SETTINGS["bytes"]["budget"] == SETTINGS["bytes-support"]["budget"] == 512
+    assert (SETTINGS["bytes"]["steps"], SETTINGS["bytes-support"]["steps"]) == (200, 100)
     assert not (out / "stable_opd-seed3").exists()
+
+
+def test_sft_rows_mix_one_line_solutions_into_a_teachers_data_at_the_recipes_fraction() -> None:
+    """Setting C's teacher data: the same problems in the same order, each problem's one-line solution with
+    probability `short_fraction` and its checked one otherwise; a fraction outside [0, 1] names the field."""
+    recipe = {"problems": 400, "data_seed": 2, "style": "checked"}
+    checked, short = demo.sft_rows(recipe), demo.sft_rows({**recipe, "style": "short"})
+    mixed = demo.sft_rows({**recipe, "short_fraction": 0.25})
+    assert [r["problem"] for r in mixed] == [r["problem"] for r in checked]
+    is_short = [m["solution"] == s["solution"] for m, s in zip(mixed, short)]
+    assert all(short or m["solution"] == c["solution"] for short, m, c in zip(is_short, mixed, checked))
+    assert 0.18 < sum(is_short) / len(mixed) < 0.32
+    assert demo.sft_rows({**recipe, "short_fraction": 0.0}) == checked
+    with pytest.raises(ValueError, match="short_fraction"):
+        demo.sft_rows({**recipe, "short_fraction": 1.5})
 
 
 def test_compare_table_and_figure_show_the_detector_verdict(tmp_path: Path) -> None:
