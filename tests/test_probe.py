@@ -22,7 +22,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from megatron_opd.eval.probe import CopyRow, copy_variants, load_probe_prompts, main, probe, verdict
+from megatron_opd.eval.probe import (CopyRow, copy_variants, load_probe_prompts, main, probe, render, support_finding,
+                                     verdict)
 from megatron_opd.rollout.local import LocalEngine
 from megatron_opd.teacher.hf import HFTeacher
 from tests._tiny import tiny_setup
@@ -43,6 +44,19 @@ def parts(pair):
     engine = LocalEngine.from_pretrained(student)
     scorer = HFTeacher(engine.model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
     return tok, engine, scorer, load_probe_prompts(None, tok, N, use_chat=True)
+
+
+class OneTokenTeacher(torch.nn.Module):
+    """Puts its mass on one id (the last byte, 0xff, never in ASCII text): no support for the student's text."""
+
+    def __init__(self, base: torch.nn.Module, token: int):
+        super().__init__()
+        self.base, self.config, self.token = base, base.config, token
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        logits = torch.zeros_like(self.base(input_ids=input_ids, attention_mask=attention_mask).logits)
+        logits[..., self.token] = 10.0
+        return SimpleNamespace(logits=logits)
 
 
 class InductionTeacher(torch.nn.Module):
@@ -84,8 +98,19 @@ def test_teacher_equal_to_the_student_gives_zero_advantage_everywhere(parts):
     assert all(abs(c.adv_inserted) < 1e-6 and abs(c.adv_last_copy) < 1e-6 and abs(c.adv_eos) < 1e-6
                for c in r.copies)
     assert r.p_eos_teacher == pytest.approx(r.p_eos_student, abs=1e-7)
-    assert not r.prone and r.verdict.startswith("not prone")
+    assert not r.prone and r.verdict.startswith("not prone") and r.findings == []
     assert r.student == r.teacher  # the same engine and seed: the same own samples
+
+
+def test_a_teacher_without_support_for_the_students_text_is_a_finding(parts):
+    tok, engine, scorer, prompts = parts
+    teacher = HFTeacher(OneTokenTeacher(engine.model, len(tok) - 1), eos_token_ids=engine.eos_token_ids,
+                        pad_token_id=engine.pad_token_id)
+    r = probe(engine, scorer, teacher, tok, prompts, n=N, budget=BUDGET, copies=3, seed=3)
+    assert r.adv_original < -2.0
+    [note] = [f for f in r.findings if f.startswith("no support")]
+    assert f"{r.adv_original:+.3g}" in note and f"note: {note}" in render(r)
+    assert support_finding(-1.9) is None and support_finding(float("nan")) is None
 
 
 @pytest.mark.parametrize("bonus,eos_shift,prone", [(3.0, -3.0, True), (-3.0, 3.0, False)])

@@ -44,6 +44,7 @@ from megatron_opd.teacher.hf import HFTeacher
 
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
 PUSH = 1.0  # nats: an EOS advantage below -PUSH is a push to keep writing (verdict)
+NO_SUPPORT = 2.0  # nats/token: an advantage below -NO_SUPPORT on the student's own tokens is a finding
 
 
 @dataclass
@@ -210,6 +211,18 @@ def verdict(adv_original: float, adv_eos: float, rows: list[CopyRow], margin: fl
     return "not prone", f"not prone: {why}"
 
 
+def support_finding(adv_original: float) -> str | None:
+    """A finding when the teacher finds the student's own text unlikely: every token then gets a negative
+    advantage, so the policy gradient pushes the student's whole distribution down and its entropy up. In the
+    reproduction's setting B (A = -3.5 nats/token) that filled the budget with babble, not with paid-for
+    repetition: a different failure than the one the verdict is about, and one a user should see first."""
+    if math.isnan(adv_original) or adv_original >= -NO_SUPPORT:
+        return None
+    return (f"no support: the teacher scores the student's own tokens at {adv_original:+.3g} nats/token against the "
+            f"student; OPD's signal is then negative everywhere and raises the student's entropy (a teacher that has "
+            f"seen text like the student's, or an SFT warm-up of the student on the teacher's, narrows the gap)")
+
+
 def probe(student_engine: LocalEngine, student_scorer: Teacher, teacher: Teacher, tokenizer: Any,
           prompts: list[list[int]], *, n: int = 32, budget: int = 256, copies: int = 4, temperature: float = 1.0,
           seed: int = 0, margin: float = 0.1, teacher_engine: Any = None) -> ProbeReport:
@@ -226,7 +239,7 @@ def probe(student_engine: LocalEngine, student_scorer: Teacher, teacher: Teacher
     end, rows, finished = measure_copies(samples, student_scorer, teacher,
                                          newline_ids(tokenizer, ids) | set(sep[-1:]), sep, copies)
     level, line = verdict(end["adv_original"], end["adv_eos"], rows, margin)
-    findings = []
+    findings = [f for f in (support_finding(end["adv_original"]),) if f]
     student_eos = set(student_engine.eos_token_ids)
     if not student_eos & set(getattr(teacher, "eos_token_ids", student_eos)):
         findings.append(f"EOS disagreement: the student stops on {sorted(student_eos)}, the teacher ends with "
