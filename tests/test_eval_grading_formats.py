@@ -248,3 +248,24 @@ def test_grade_audit_needs_exactly_one_source(tmp_path):
     assert e.value.code == 2
     with pytest.raises(SystemExit):
         main(["--labelled", "x.jsonl", "--benchmarks", "math500"])
+
+
+@pytest.mark.timeout(60, method="thread")  # a regression hangs inside re (no signal gets in): end the run loudly
+def test_degenerate_text_after_an_answer_phrase_grades_in_linear_time():
+    """A run's held-out eval hung here (setting C of docs/reproduction.md, step 30): the student wrote "The
+    answer is" and then babble, and the number-then-unit pattern backtracked exponentially over the babble's
+    letter runs (a 34-byte tail took 18 s before the fix). The run's exact response, and longer made-up ones,
+    must grade at once, and units after a number still read as units."""
+    import time
+
+    hung = ("Each friend gets 15 / 5 = 5 tickers.\nThe answer is 9 matickers ar ater ivis arar 2 ster "
+            "stickerstid icherlllllstid{3 arbllster iverarancerlllllllllls 10 mardststhe its 2 per")
+    made_up = ["The answer is 9 " + "ab" * n + "{" for n in (20, 200)] + ["The answer is 7 " + "xy " * 300 + "}"]
+    t0 = time.perf_counter()
+    for text in [hung, *made_up]:
+        assert extract_answer(text).method == "answer_is"
+    assert time.perf_counter() - t0 < 1.0
+    assert grade_response(hung, "4").status == "incorrect"
+    assert extract_answer("The answer is 12 apples.").answer == "12"
+    assert extract_answer("The answer is 5 m/s.").answer == "5"
+    assert extract_answer("The answer is 9 cm2").answer == "9"

@@ -78,7 +78,7 @@ _NOT_UNITS = (r"(?:or|and|to|of|in|times|out|plus|minus|over|per|but|by|with|for
               r"from|at|on|as|not|or|nor|then|so|the|a|an|x|y|z|n|k)\b")
 _NUMBER_THEN_UNIT = re.compile(
     r"^(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?)\s*"
-    r"(?!" + _NOT_UNITS + r")(?:[A-Za-z][A-Za-z]+|[mgsKJNWVAL])(?:[\s./^\-]*[A-Za-z0-9]+)*\.?$")
+    r"(?!" + _NOT_UNITS + r")(?:[A-Za-z]{2}|[mgsKJNWVAL])[A-Za-z0-9]*(?:[\s./^\-]+[A-Za-z0-9]+)*\.?$")
 _NUMBER_LIST_AND = re.compile(r"-?\d+(?:\.\d+)?(?:\s*,\s*-?\d+(?:\.\d+)?)*\s*,?\s+and\s+-?\d+(?:\.\d+)?")
 _TRAILING_PERCENT = re.compile(r"(.+?)\s*\\?%")
 _DEGREES = re.compile(r"(.+?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
