@@ -20,6 +20,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -35,7 +36,7 @@ from megatron_opd.data.toy_tokenizer import byte_tokenizer
 from megatron_opd.eval.benchmarks import evaluate, load_benchmark
 from megatron_opd.metrics.runlog import read_metrics
 from megatron_opd.models.parallel import destroy_parallel
-from megatron_opd.models.pretrained import default_cache_dir, export_smollm2, prune_layers
+from megatron_opd.models.pretrained import cache_lock, default_cache_dir, export_smollm2, prune_layers
 from megatron_opd.models.tiny import make_tiny_hf_model
 from megatron_opd.reproduce import ARMS, SEEDS, SETTINGS, TINY_SETTING, reproduce
 from megatron_opd.rollout.base import SamplingParams
@@ -150,6 +151,13 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
     out = cache / f"{student.name}-arith-teacher-{key}"
     if read_sft_meta(out) is not None:
         return out
+    with cache_lock(out):
+        if read_sft_meta(out) is None:
+            _make_teacher(student, cache, recipe, out, log)
+    return out
+
+
+def _make_teacher(student: Path, cache: Path, recipe: dict, out: Path, log: Callable[[str], None]) -> None:
     _, held_out = builtin_splits(N_TRAIN, N_EVAL, 0)
     avoid = {r["problem"] for r in held_out}
     rows = [r for r in sft_rows(recipe) if r["problem"] not in avoid]
@@ -167,7 +175,6 @@ def prepare_teacher(student: Path, cache: Path, recipe: dict, log: Callable[[str
         destroy_parallel()
         gc.collect()
         data.unlink(missing_ok=True)
-    return out
 
 
 def held_out_accuracy(model_dir: Path, eval_path: Path, max_new_tokens: int) -> float:
@@ -193,7 +200,9 @@ def teacher_accuracy(teacher: Path, eval_path: Path, max_new_tokens: int) -> flo
         known = {}
     if key not in known:
         known[key] = held_out_accuracy(teacher, eval_path, max_new_tokens)
-        f.write_text(json.dumps(known, indent=2))
+        tmp = f.with_name(f".{f.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known, indent=2))
+        os.replace(tmp, f)
     return float(known[key])
 
 
@@ -207,15 +216,23 @@ def _tiny_model_ok(d: Path) -> bool:
 
 def _byte_model(d: Path, seed: int, **sizes: int) -> Path:
     """A random Qwen2-class model with the byte tokenizer (EOS = <|im_end|>, id 2) in `d`, unless one is cached."""
-    if not _tiny_model_ok(d):
+    if _tiny_model_ok(d):
+        return d
+    with cache_lock(d):
+        if _tiny_model_ok(d):
+            return d
+        tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
         tok = byte_tokenizer()
-        make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
+        make_tiny_hf_model("qwen2", tmp, seed=seed, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
                            bos_token_id=1, max_position_embeddings=2048, **sizes)
-        tok.save_pretrained(str(d))
-        gen = d / "generation_config.json"
+        tok.save_pretrained(str(tmp))
+        gen = tmp / "generation_config.json"
         g = json.loads(gen.read_text()) if gen.is_file() else {}
         g["eos_token_id"] = 2
         gen.write_text(json.dumps(g))
+        shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
     return d
 
 

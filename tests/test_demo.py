@@ -209,3 +209,40 @@ def test_compare_table_counts_a_collapse_whose_step_a_rollback_re_trained(tmp_pa
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     row = demo.compare_table([d]).splitlines()[-1]
     assert "1 event(s), re-trained after a rollback" in row and "0.4 -> 0.4 (1) -> 0.2" in row
+
+
+_PREPARE = """
+import sys
+from pathlib import Path
+from megatron_opd import demo
+student, teacher = demo.prepare_models(Path(sys.argv[1]), tiny=True, log=lambda m: print(m, flush=True))
+print("PAIR", student, teacher)
+"""
+
+
+def test_two_processes_preparing_one_cache_make_each_entry_once(tmp_path: Path) -> None:
+    """The cache under ~/.cache/megatron-opd is shared by the demo and by tests that may run side by side: two
+    processes that prepare the same (empty) cache at once both get a complete pair, the teacher is fine-tuned
+    once (the second waits on the entry's lock and finds it made), and no partial directory is left."""
+    import subprocess
+    import sys
+
+    from _proc import explain
+
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", _PREPARE, str(cache)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        res = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        assert p.returncode == 0, explain(res)
+        outs.append(out)
+    pairs = {line for o in outs for line in o.splitlines() if line.startswith("PAIR ")}
+    assert len(pairs) == 1, outs
+    made = [o.count("making the teacher") for o in outs]
+    assert sorted(made) == [0, 1], outs
+    student, teacher = pairs.pop().split()[1:]
+    assert demo.read_sft_meta(Path(teacher)) is not None and (Path(student) / "model.safetensors").is_file()
+    leftovers = [p.name for p in cache.rglob("*") if ".tmp" in p.name or p.name.endswith(".partial")]
+    assert not leftovers, leftovers

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from _proc import log_tail, run
 from megatron_opd.trainer.logger import read_metrics
 
 pytestmark = pytest.mark.dist
@@ -35,8 +36,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("torchrun_inputs")
-    subprocess.run([sys.executable, "-m", "megatron_opd.cli", "demo", "--tiny", "--inputs-only", "--out", str(root)],
-                   check=True, capture_output=True, timeout=600, cwd=ROOT)
+    run([sys.executable, "-m", "megatron_opd.cli", "demo", "--tiny", "--inputs-only", "--out", root],
+        timeout=600, cwd=ROOT)
     return root
 
 
@@ -87,8 +88,7 @@ def _rows(out: Path) -> dict[int, dict]:
 def uninterrupted(inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("torchrun_full") / "run"
     codes = _wait(_agents(inputs, out, restarts=0))
-    logs = "".join((out / f"agent{i}.log").read_text(errors="replace")[-3000:] for i in range(2))
-    assert codes == [0, 0], logs
+    assert codes == [0, 0], log_tail(*(out / f"agent{i}.log" for i in range(2)))
     return out
 
 

@@ -9,12 +9,14 @@ the full model has something to teach.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,6 +26,26 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MEGATRON_OPD_CACHE", Path.home() / ".cache" / "megatron-opd"))
+
+
+@contextmanager
+def cache_lock(entry: Path) -> Iterator[None]:
+    """Held while a cache entry is checked and made. Two processes that need the same entry (the demo and a
+    test, or tests run side by side) then make it once: the second waits and finds it done, instead of
+    writing into, or deleting, the directory the first is reading. An flock on a file beside the entry: the
+    kernel drops it when its holder dies, so a killed preparation never leaves the cache locked."""
+    entry = Path(entry)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f".{entry.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _hf_dir_ready(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
 def smollm2_gguf_path() -> Path:
@@ -67,23 +89,32 @@ def _atomic_save(model, tokenizer, out: Path) -> Path:
 def export_smollm2(out_dir: Optional[str | Path] = None) -> Path:
     """SmolLM2-135M-Instruct as an fp32 HF directory (cached; ~45 s the first time on 2 CPU cores)."""
     out = Path(out_dir) if out_dir else default_cache_dir() / "smollm2-135m-instruct"
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+    if _hf_dir_ready(out):
         return out
-    gguf = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return _atomic_save(model, tok, out)
+    with cache_lock(out):
+        if _hf_dir_ready(out):
+            return out
+        gguf = smollm2_gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        return _atomic_save(model, tok, out)
 
 
 def prune_layers(src_dir: str | Path, out_dir: str | Path, keep: Sequence[int]) -> Path:
     """Copy an HF Llama/Qwen2 directory keeping only decoder layers `keep` (in order)."""
     out = Path(out_dir)
-    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+    if _hf_dir_ready(out):
         return out
+    with cache_lock(out):
+        if _hf_dir_ready(out):
+            return out
+        return _prune_layers(Path(src_dir), out, keep)
+
+
+def _prune_layers(src_dir: Path, out: Path, keep: Sequence[int]) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32)
     n = model.config.num_hidden_layers
     keep = list(keep)
