@@ -201,11 +201,8 @@ def test_stats_of_uneven_parts_merge_to_the_whole_minibatch():
     counts = {k: (float(m.sum()), float((m.sum(-1) > 0).sum())) for k, m in term_masks(cfg, mask, gold, trunc).items()}
     parts = [slice(0, 1), slice(1, 5), slice(5, 7)]  # the first: one golden row, no policy token
     rows = []
-    for s in parts:
-        _, st = stable_opd_loss(cfg, **{k: v[s] for k, v in inputs.items()}, global_counts=counts)
-        for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares scaled as Learner.loss_fn does
-            st[k] *= len(parts)
-        rows.append(st)
+    for s in parts:  # each part's unscaled shares, as Learner.loss_fn logs them
+        rows.append(stable_opd_loss(cfg, **{k: v[s] for k, v in inputs.items()}, global_counts=counts)[1])
     assert rows[0]["n_pg_tokens"] == 0 and whole["ratio_max"] < 1 and whole["clipfrac"] > 0
     merged = _mean_stats(rows)
     assert merged.keys() == whole.keys()
@@ -263,6 +260,73 @@ def test_train_stats_are_over_the_tokens_of_every_rank(setup, tmp_path):
     for r in res:  # every rank: the token mean over both ranks, not the mean of the two ranks' means
         assert r["stats"]["adv_raw_mean"] == pytest.approx((s0 + s1) / 5, rel=1e-6)
         assert r["stats"]["n_pg_tokens"] == 5.0
+
+
+def _uneven_micro_batch_stats(rank, world_size, overrides):
+    """DP=2, rank 0's rows (20 and 8 tokens) as 2 micro-batches and rank 1's (6 and 6) as 1, under a
+    budget of 20 tokens with dynamic batching and with packing: `Learner.update`'s logged stats of the
+    minibatch, and the per-token inputs of the loss (pi_theta = pi_old + noise; lr 0 keeps the weights)."""
+    from dataclasses import replace
+
+    from megatron_opd.trainer.batch import SequenceItem, build_batch
+    from megatron_opd.trainer.loop import Trainer
+
+    cfg = load_config(None, overrides)
+    trainer = Trainer(cfg)
+    try:
+        if rank == 0:
+            items = [SequenceItem([5, 6, 7, 8], [9 + i % 7 for i in range(16)], truncated=True),
+                     SequenceItem([5, 6], [7, 8, 9, 10, 11, 2], is_golden=True)]
+        else:
+            items = [SequenceItem([5, 7], [8, 9, 10, 2]), SequenceItem([5, 6, 7], [12, 13, 2])]
+        batch = build_batch(items, trainer.pad_id)
+        g = torch.Generator().manual_seed(7 + rank)
+        logp = trainer.student.score(batch)[0]
+        noise = lambda: torch.rand(logp.shape, generator=g)  # noqa: E731
+        batch.extras.update(old_logp=logp + noise() - 0.5, teacher_logp=logp - noise(),
+                            ref_logp=logp - 0.5 * noise())
+        counts, stats = {}, {}
+        for name, pack in (("dynamic", False), ("packed", True)):
+            trainer.learner.cfg = replace(cfg, train=replace(cfg.train, pack_sequences=pack))
+            counts[name] = len(trainer.learner.micro_batches(batch, list(range(batch.batch_size))))
+            stats[name] = trainer.learner.update(batch, cfg.algo.beta_kl, None)
+        inputs = dict(logp=logp, old_logp=batch.extras["old_logp"], teacher_logp=batch.extras["teacher_logp"],
+                      ref_logp=batch.extras["ref_logp"], response_mask=batch.response_mask,
+                      is_golden=batch.is_golden, truncated=batch.truncated)
+        return {"counts": counts, "stats": stats, "inputs": inputs}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.dist
+def test_logged_losses_equal_the_whole_minibatch_when_ranks_hold_different_micro_batch_counts(setup, tmp_path):
+    """Regression: each micro-batch's loss share was scaled by dp x its own rank's micro-batch count and the
+    parts then averaged plainly, so with 2 micro-batches on one rank and 1 on the other the logged
+    total_loss / pg_loss / kl / golden_loss were (4a + 4b + 2c) / 3 instead of a + b + c (the gradients
+    were right). Now they equal the loss computed on the whole minibatch in one piece."""
+    from dataclasses import replace
+
+    _root, student, teacher, data = setup
+    overrides = [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=hf",
+                 f"data.train_path={data['train']}", "algo.preset=stable_opd", "algo.kl_estimator=k3",
+                 "algo.beta_kl=0.1", "algo.lambda_gold=0.5", "train.steps=1", "optim.lr=0",
+                 "train.max_tokens_per_microbatch=20", "rollout.max_new_tokens=16",
+                 f"logging.out_dir={tmp_path / 'out'}", "logging.progress_bar=false", "logging.tensorboard=false"]
+    res = run_distributed(_uneven_micro_batch_stats, 2, overrides, timeout=300)
+    assert [r["counts"] for r in res] == [{"dynamic": 2, "packed": 2}, {"dynamic": 1, "packed": 1}]
+    parts = [r["inputs"] for r in res]
+    T = max(p["response_mask"].shape[1] for p in parts)
+    whole = {k: torch.cat([torch.nn.functional.pad(p[k], (0, T - p[k].shape[1])) if p[k].dim() == 2 else p[k]
+                           for p in parts]) for k in parts[0]}
+    cfg = load_config(None, overrides)
+    algo = replace(cfg.algo, loss_agg_constant=float(cfg.rollout.max_new_tokens))
+    _, expected = stable_opd_loss(algo, **whole)
+    assert expected["golden_loss"] > 0 and expected["kl"] > 0 and expected["clipfrac"] > 0
+    for r in res:
+        for name in ("dynamic", "packed"):
+            [got] = r["stats"][name]
+            for k in ("total_loss", "pg_loss", "kl", "golden_loss", "n_pg_tokens"):
+                assert got[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-7), (name, k)
 
 
 # -- 4. KL estimators in the objective -----------------------------------------------------------

@@ -150,8 +150,11 @@ class Learner:
         return {k: (float(local[i, 0]), float(local[i, 1])) for i, k in enumerate(names)}
 
     def loss_fn(self, mb: TrainBatch, beta_kl: float, n_micro: int = 1):
-        """The loss closure for one minibatch `mb` (all its micro-batches). megatron averages over
-        micro-batches and DDP over ranks, hence the `dp * n_micro` scale."""
+        """The loss closure for one minibatch `mb` (all its micro-batches on this rank). megatron averages
+        over this rank's `n_micro` micro-batches and DDP over ranks, hence the `dp * n_micro` scale of the
+        loss it returns. Its stats keep the micro-batch's unscaled share of each loss term: `n_micro`
+        differs between ranks under dynamic batching or packing, so `_mean_stats` sums the shares of every
+        micro-batch on every rank instead (a mean of shares scaled per rank would weigh them unevenly)."""
         cfg = self.cfg
         algo = replace(cfg.algo, beta_kl=beta_kl,
                        loss_agg_constant=cfg.algo.loss_agg_constant or float(cfg.rollout.max_new_tokens))
@@ -179,9 +182,6 @@ class Learner:
                 ref_logits=batch.ref_logits if full_kl else None,
                 teacher_topk_logp=batch.extras.get("teacher_topk_logp"), student_topk_logp=student_topk,
                 reduce=self.student.reduce, global_counts=counts, adv_stats=adv_stats)
-            for k in ("total_loss", "pg_loss", "kl", "golden_loss"):  # shares -> whole-minibatch values
-                if k in stats:
-                    stats[k] *= scale
             return loss * scale, stats
 
         return loss_fn, full_kl

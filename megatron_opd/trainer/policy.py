@@ -384,22 +384,24 @@ def _uses_te_names(model: torch.nn.Module) -> bool:
 # `stable_opd_loss`'s means over the policy tokens (weighed by n_pg_tokens when merged) and its counts
 _PG_MEANS = ("clipfrac", "clipfrac_lower", "ratio_mean", "approx_kl_old", "adv_mean", "adv_raw_mean")
 _COUNTS = ("n_pg_tokens", "n_rollout_tokens", "n_golden_tokens")
+_SHARES = ("total_loss", "pg_loss", "kl", "golden_loss", "nll")  # each part's unscaled share of the whole
 
 
 def _mean_stats(rows: list[dict[str, float]]) -> dict[str, float]:
     """Merge per-part stats (micro-batches on all data-parallel ranks) into the whole minibatch's values.
 
     Token means and rates are weighted by their parts' token counts, `adv_std` is pooled, `ratio_max` is
-    a max over parts that have policy tokens and counts add up, so each equals the value computed on the
-    whole minibatch at once. Every other key (the loss shares, already scaled by the number of parts) is
-    a plain mean; a flag (nonfinite_*) is kept if any part raised it."""
+    a max over parts that have policy tokens, counts and the loss terms' shares (`_SHARES`: each part's
+    term normalised by the whole minibatch's counts, unscaled) add up, so each equals the value computed
+    on the whole minibatch at once, however many parts each rank holds. Every other key is a plain mean;
+    a flag (nonfinite_*) is kept if any part raised it."""
     out: dict[str, float] = {}
     for k in sorted({k for r in rows for k in r}):
         have = [r for r in rows if k in r]
         vals = [r[k] for r in have]
         if k.startswith("nonfinite"):
             out[k] = max(vals)
-        elif k in _COUNTS:
+        elif k in _COUNTS or k in _SHARES:
             out[k] = sum(vals)
         elif k in _PG_MEANS or k in ("adv_std", "ratio_max"):
             w = [r.get("n_pg_tokens", 1.0) for r in have]

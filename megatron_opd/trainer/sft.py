@@ -58,11 +58,12 @@ def sft_items(records: list, max_response_tokens: int) -> list[SequenceItem]:
 def _nll_loss(total_tokens: int, scale: int):
     """Loss closure for `MegatronPolicy.train_minibatch`: this micro-batch's share of the token-mean NLL
     over the whole (all data-parallel ranks) batch; megatron averages micro-batches and DDP averages
-    ranks, hence `scale` = micro-batches x data-parallel size."""
+    ranks, hence the loss's `scale` = micro-batches x data-parallel size. The logged `nll` is the
+    unscaled share: `_mean_stats` sums the shares of every micro-batch on every rank."""
 
     def loss_fn(logp: torch.Tensor, _resp: Optional[torch.Tensor], batch: TrainBatch, _logits: torch.Tensor):
         nll = -(logp * batch.response_mask).sum() / total_tokens
-        return nll * scale, {"nll": float(nll.detach()) * scale}
+        return nll * scale, {"nll": float(nll.detach())}
 
     return loss_fn
 
