@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _proc import explain, run
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench_step.py"
@@ -39,23 +39,19 @@ def test_summary_and_table_arithmetic():
 
 
 def test_bad_arguments_are_refused():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "ours,nope"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and "--only: unknown ['nope']" in proc.stderr
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "before"], capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2 and "--before REV" in proc.stderr
+    proc = run([sys.executable, SCRIPT, "--only", "ours,nope"], timeout=60, expect=2)
+    assert "--only: unknown ['nope']" in proc.stderr, explain(proc)
+    proc = run([sys.executable, SCRIPT, "--only", "before"], timeout=60, expect=2)
+    assert "--before REV" in proc.stderr, explain(proc)
 
 
 @pytest.mark.timeout(300)
 def test_tiny_run_ours_and_trl(tmp_path):
     """Both trainers run on the tiny pair; every row has timed steps and a peak RSS; ours has its breakdown."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
-                           "--seqs", "2", "--new-tokens", "8", "--presets", "opd,stable_opd",
-                           "--cache", str(tmp_path / "cache"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=280, cwd=str(REPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run([sys.executable, SCRIPT, "--tiny", "--steps", "1", "--warmup", "0", "--rounds", "1",
+                "--seqs", "2", "--new-tokens", "8", "--presets", "opd,stable_opd",
+                "--cache", tmp_path / "cache", "--json", out], timeout=280, cwd=str(REPO))
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"TRL DistillationTrainer", "megatron-opd opd", "megatron-opd stable_opd"}
     for name, r in rows.items():
@@ -95,15 +91,13 @@ def test_varied_workload_shapes_every_rollout_the_same_way():
 def test_tiny_varied_run_packed_has_no_padding(tmp_path):
     """The varied workload end to end: padded micro-batches pad, packed ones do not; the phases table is printed."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--only", "ours", "--varied", "--steps", "1",
-                           "--warmup", "0", "--rounds", "1", "--seqs", "4", "--new-tokens", "32", "--gen-tokens", "4",
-                           "--presets", "opd,opd:train.max_tokens_per_microbatch=256:train.pack_sequences=true",
-                           "--cache", str(tmp_path / "cache"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=280, cwd=str(REPO))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run([sys.executable, SCRIPT, "--tiny", "--only", "ours", "--varied", "--steps", "1",
+                "--warmup", "0", "--rounds", "1", "--seqs", "4", "--new-tokens", "32", "--gen-tokens", "4",
+                "--presets", "opd,opd:train.max_tokens_per_microbatch=256:train.pack_sequences=true",
+                "--cache", tmp_path / "cache", "--json", out], timeout=280, cwd=str(REPO))
     rows = json.loads(out.read_text())["rows"]
     padded, packed = rows["megatron-opd opd"], rows["megatron-opd opd:train.max_tokens_per_microbatch=256:train.pack_sequences=true"]
     assert padded["batch/padding_fraction"] > 0 and packed["batch/padding_fraction"] == 0
     assert "| run | score + train | speed-up vs first |" in proc.stdout and "1.00x" in proc.stdout
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--varied"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--only ours" in proc.stderr
+    proc = run([sys.executable, SCRIPT, "--varied"], timeout=60, expect=2)
+    assert "--only ours" in proc.stderr, explain(proc)

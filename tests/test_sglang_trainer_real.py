@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _proc import explain
 from _dist import session_cmdlines
 from megatron_opd.rollout.base import SamplingParams
 from sglang_cpu import (LOGPROB_TOL, hf_model, max_logprob_gap, measured, mem_fraction, require_sglang, sglang_args,
@@ -170,7 +171,7 @@ def test_megatron_opd_train_cli_server_disaggregated(setup, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-m", "megatron_opd.cli", "train", *ov], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0, explain(res)
     _check_metrics(out)
     assert (out / "logs" / "sglang_rollout.log").stat().st_size > 0  # the launched server's own log
     import socket

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _proc import explain, run
 from megatron_opd.trainer.checkpoint import is_complete
 from megatron_opd.trainer.logger import read_metrics
 
@@ -52,8 +53,8 @@ def cluster() -> dict[str, str]:
 def inputs(tmp_path_factory) -> dict[str, Path]:
     """The tiny student/teacher and data the CPU profile reads, built by the documented command."""
     root = tmp_path_factory.mktemp("slurm_inputs")
-    subprocess.run([sys.executable, "-m", "megatron_opd.cli", "demo", "--tiny", "--inputs-only", "--out", str(root)],
-                   check=True, capture_output=True, timeout=600, cwd=ROOT)
+    run([sys.executable, "-m", "megatron_opd.cli", "demo", "--tiny", "--inputs-only", "--out", root], timeout=600,
+        cwd=ROOT)
     return {"student": root / "models" / "student", "teacher": root / "models" / "teacher",
             "train": root / "data" / "arith_train.jsonl", "eval": root / "data" / "arith_eval.jsonl"}
 
@@ -79,7 +80,7 @@ def _submit(env: dict[str, str], log: Path, *args: str, script: str = "opd_7b.sb
 
 def _job(env, job: str) -> dict[str, str]:
     res = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     return dict(kv.split("=", 1) for kv in res.stdout.split() if "=" in kv)
 
 
@@ -145,7 +146,7 @@ def full_job(cluster, inputs, tmp_path_factory):
                "--temperature 0 --max-new-tokens 16 --no-chat-template")
     t0 = time.time()
     res = _submit(env, log, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     job = res.stdout.strip()
     info = _wait(env, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 600, log)
     assert info["JobState"] == "COMPLETED", _tail(log)
@@ -186,7 +187,7 @@ def test_preempted_job_requeues_and_ends_as_the_uninterrupted_run(cluster, input
     out, log = tmp_path / "run", tmp_path / "job.out"
     env = _env(cluster, inputs, out)
     res = _submit(env, log, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     job = res.stdout.strip()
     deadline = time.time() + 180
     while (log.read_text(errors="replace") if log.exists() else "").count("config ok:") < 2:
@@ -219,7 +220,7 @@ def test_preemption_before_training_starts_is_kept(cluster, inputs, tmp_path):
     out.mkdir(parents=True)
     (out / "preempted.json").write_text('{"step": 99, "reason": "stale"}')
     res = _submit(env, log, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     job = res.stdout.strip()
     _wait_for_text(log, "convert check:")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True, timeout=30)
@@ -303,7 +304,7 @@ def test_node_fault_fails_fast_naming_the_rank_and_resubmission_resumes(cluster,
     env = _env(cluster, inputs, out)
     submitted = time.time()
     res = _submit(env, log, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     job = res.stdout.strip()
     _wait_for_step(out, 2)
     _kill_rank_while_it_has_forked(job, 1)
@@ -329,7 +330,7 @@ def test_node_fault_fails_fast_naming_the_rank_and_resubmission_resumes(cluster,
 
     log2 = tmp_path / "job2.out"
     res = _submit(env, log2, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     info = _wait(env, res.stdout.strip(), ("COMPLETED", "FAILED", "CANCELLED"), 600, log2)
     assert info["JobState"] == "COMPLETED", _tail(log2)
     assert f"at step {last_good}" in log2.read_text(errors="replace")
@@ -348,8 +349,8 @@ def test_impossible_request_fails_fast_with_a_message(cluster, inputs, tmp_path,
     t0 = time.time()
     res = subprocess.run([str(SLURM / "submit.sh"), *extra_args, str(SLURM / "opd_7b.sbatch")], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
-    assert res.returncode != 0 and time.time() - t0 < 30
-    assert "the cluster cannot run this request" in res.stderr and message in res.stderr, res.stderr
+    assert res.returncode != 0 and time.time() - t0 < 30, explain(res)
+    assert "the cluster cannot run this request" in res.stderr and message in res.stderr, explain(res)
     assert res.stdout.strip() == "", "nothing may be submitted"
     queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout
     assert queue.strip() == "", queue
@@ -360,7 +361,7 @@ def test_wrong_python_fails_the_job_with_a_message(cluster, inputs, tmp_path):
     log = tmp_path / "job.out"
     env = _env(cluster, inputs, tmp_path / "run", PYTHON="/usr/bin/python3")
     res = _submit(env, log, *_overrides(inputs))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, explain(res)
     info = _wait(env, res.stdout.strip(), ("FAILED", "COMPLETED"), 120, log)
     assert info["JobState"] == "FAILED"
     assert "PYTHON='/usr/bin/python3' cannot import torch and megatron_opd" in log.read_text()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _proc import explain
+
 TESTS = Path(__file__).resolve().parent
 
 SUITE = '''
@@ -83,7 +85,7 @@ def test_require_sglang_turns_the_sglang_skip_into_a_failure(tmp_path):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)]
     ok = subprocess.run(cmd, cwd=tmp_path, env={**base, "MEGATRON_OPD_REQUIRE_SGLANG": "0"}, capture_output=True,
                         text=True, timeout=120)
-    assert ok.returncode == 0 and "1 skipped" in ok.stdout, ok.stdout + ok.stderr
+    assert ok.returncode == 0 and "1 skipped" in ok.stdout, explain(ok)
     bad = subprocess.run(cmd, cwd=tmp_path, env={**base, "MEGATRON_OPD_REQUIRE_SGLANG": "1"}, capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode == 1 and "1 failed" in bad.stdout and "NOT ALLOWED in CI" in bad.stdout, bad.stdout
+    assert bad.returncode == 1 and "1 failed" in bad.stdout and "NOT ALLOWED in CI" in bad.stdout, explain(bad)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _proc import explain, run
 from _tiny import tiny_setup
 from megatron_opd.config import load_config
 from megatron_opd.models.checkpoint import read_weights, save_training_state
@@ -309,12 +310,10 @@ def test_sigkill_during_a_checkpoint_resave_then_resume_matches_the_uninterrupte
     assert not (ckpts / "step_00000001").exists() and (ckpts / ".old_step_00000001").is_dir()
 
     env.pop(ck.PAUSE_ENV)
-    done = subprocess.run([sys.executable, "-c", _DRIVER, args], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run([sys.executable, "-c", _DRIVER, args], env=env, timeout=600)
     if patience == 1:  # the fallback to the aside copy was announced
-        assert "names 'step_00000001', which is missing or incomplete" in done.stderr, done.stderr[-4000:]
-    assert "rolled back to the checkpoint of step 1" in done.stderr
+        assert "names 'step_00000001', which is missing or incomplete" in done.stderr, explain(done)
+    assert "rolled back to the checkpoint of step 1" in done.stderr, explain(done)
     _assert_same_rows(read_metrics(ref_out), read_metrics(out))
     _assert_same_weights(_weights(ref_out, 4), _weights(out, 4))
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002", "step_00000003", "step_00000004"]

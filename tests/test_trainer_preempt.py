@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _proc import explain
 from _tiny import tiny_setup
 from megatron_opd.config import load_config
 from megatron_opd.trainer.logger import read_metrics
@@ -126,6 +127,6 @@ def test_cli_exit_code_on_sigusr1(setup, tmp_path):
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     res = subprocess.run([sys.executable, "-c", code, *_overrides(setup, out, 3)], capture_output=True, text=True,
                          timeout=300, env=env)
-    assert res.returncode == PREEMPTED_EXIT, res.stderr[-3000:]
-    assert "preempted (SIGUSR1): checkpointed at step 1" in res.stderr
+    assert res.returncode == PREEMPTED_EXIT, explain(res)
+    assert "preempted (SIGUSR1): checkpointed at step 1" in res.stderr, explain(res)
     assert [r["step"] for r in read_metrics(out)] == [1]
