@@ -16,12 +16,16 @@ STEPS, ONSET, BUDGET = 40, 11, 128
 
 
 def _run(root: Path, preset: str, seed: int, *, inflate: bool = True, start_rep: float = 0.0,
-         adv_wins: bool = True, teacher_jump: float = 1.5, late_trunc: float = 0.2, final_acc: float = 0.44) -> Path:
+         adv_wins: bool = True, teacher_jump: float = 1.5, late_trunc: float = 0.2, final_acc: float = 0.44,
+         start_acc: Optional[float] = None, teacher_from: int = ONSET, student_jump: float = 0.3) -> Path:
+    """A synthetic run: inflated from step ONSET (if `inflate`), the teacher's / student's mean log-prob up by
+    `teacher_jump` / `student_jump` from `teacher_from` / ONSET; `start_acc`: a step-0 evaluation row (as the
+    trainer logs the initial model's), none by default."""
     d = root / f"{preset}-{seed}"
     d.mkdir(parents=True)
     (d / "config.yaml").write_text(yaml.safe_dump({"algo": {"preset": preset}, "train": {"seed": seed},
                                                    "rollout": {"seed": seed, "max_new_tokens": BUDGET}}))
-    rows = []
+    rows = [] if start_acc is None else [{"step": 0, "eval/accuracy": start_acc}]
     for step in range(1, STEPS + 1):
         on = inflate and step >= ONSET
         row = {"step": step,
@@ -31,8 +35,8 @@ def _run(root: Path, preset: str, seed: int, *, inflate: bool = True, start_rep:
                "adv/repetitive_token_share": 0.3 if on else 0.0,
                "adv/repetitive_mean": (0.5 if adv_wins else -0.5) if on else 0.0,
                "adv/other_mean": -0.2,
-               "logp/teacher_mean": -2.0 + (teacher_jump if on else 0.0),
-               "logp/student_mean": -1.5 + (0.3 if on else 0.0)}
+               "logp/teacher_mean": -2.0 + (teacher_jump if inflate and step >= teacher_from else 0.0),
+               "logp/student_mean": -1.5 + (student_jump if on else 0.0)}
         if step % 10 == 0:
             row["eval/accuracy"] = {10: 0.3, 20: 0.4, 30: 0.45, 40: final_acc}[step]
         rows.append(row)
@@ -69,10 +73,37 @@ def test_a_set_showing_inflation_and_its_cure_passes(tmp_path, capsys):
     ({("opd", 3): {"teacher_jump": 0.1}}, 2),  # the teacher's log-prob rises less than the student's
     ({("stable_opd", 2): {"late_trunc": 0.5}}, 3),  # the cure lets truncation rise
     ({("stable_opd", 1): {"final_acc": 0.3}}, 3),  # the cure ends far below its peak accuracy
+    # the peak is the initial model's (step 0): 0.73 -> 0.44 is a drop of 0.29 (the checker once skipped step 0)
+    ({("stable_opd", 1): {"start_acc": 0.73}}, 3),
+    # the student's log-prob rises 1.0 from the first inflated step (ONSET), the teacher's 0.8 only from the
+    # checker's onset (ONSET + 2): a window of 5 steps before the onset held ONSET and ONSET + 1, so the
+    # student's rise looked like 0.6 and the mechanism passed
+    ({("opd", 2): {"student_jump": 1.0, "teacher_jump": 0.8, "teacher_from": ONSET + 2}}, 2),
 ])
 def test_each_criterion_fails_on_its_own(tmp_path, changes, failing):
     ok = _verdicts(_set(tmp_path, changes))
     assert ok == [i != failing for i in range(4)], ok
+
+
+def test_step_zero_evaluation_is_read_and_changes_nothing_else(tmp_path):
+    """Every run with a step-0 evaluation row (the trainer's initial held-out evaluation): it is part of the
+    accuracy series, and the other criteria, the onset and B are what they are without it."""
+    dirs = _set(tmp_path, {(p, seed): {"start_acc": 0.4} for p in ("opd", "stable_opd") for seed in (1, 2, 3)})
+    run = load_run(dirs[1])
+    assert run.series("eval/accuracy")[0] == (0, 0.4)
+    assert inflation_onset(load_run(dirs[0])) == ONSET + 2
+    assert _verdicts(dirs) == [True, True, True, True]
+
+
+def test_mechanism_window_ends_before_the_first_inflated_step(tmp_path, capsys):
+    """The onset (ONSET + 2) is the first step whose 3-step means pass; its window holds ONSET and ONSET + 1,
+    inflated already: the 5 steps "before" are ONSET - 5 .. ONSET - 1."""
+    from megatron_opd.eval.reproduction import first_inflated_step
+
+    dirs = _set(tmp_path)
+    assert first_inflated_step(load_run(dirs[0]), ONSET + 2) == ONSET
+    assert main([str(d) for d in dirs]) == 0
+    assert f"onset {ONSET + 2} (before: steps {ONSET - 5}-{ONSET - 1})" in capsys.readouterr().out
 
 
 def test_cure_needs_the_seeds_of_the_inflating_runs(tmp_path):

@@ -10,10 +10,14 @@ previous logged steps; B is a run's mean truncation over steps 1-5.
    >= 10 consecutive steps the 3-step truncation >= max(0.6, B + 0.35), the 3-step repetition >= 0.3 and the
    3-step mean length >= 0.8 x the budget (`rollout.max_new_tokens`). Its onset is the window's first step.
 3. **mechanism** (every inflating opd run): the advantage on repetitive tokens exceeds the others' in >= 80%
-   of the steps that have repetitive tokens; across the onset (mean of the 5 steps after it minus the 5
-   before) the teacher's mean log-prob rises more than the student's.
+   of the steps that have repetitive tokens; across the onset (mean of the 5 steps from it minus the 5
+   before its first inflated step: the onset's 3-step window may hold up to 2 inflated steps before it) the
+   teacher's mean log-prob rises more than the student's.
 4. **the cure** (every stable_opd run whose seeds an inflating opd run has): 3-step truncation <= B + 0.15 at
    every step, 3-step repetition <= 0.1 at every step, final held-out accuracy >= its peak - 0.1.
+
+A run's rows are read from step 0 on: the trainer logs the held-out evaluation of the initial model as
+step 0 (no rollout there), and it counts towards the peak accuracy of criterion 4.
 
 Exit status 0 iff every criterion holds; each prints its value and PASS/FAIL.
 """
@@ -56,8 +60,10 @@ class Run:
     rows: list[dict[str, Any]]
 
     def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) of every row from step 0 on (step 0: the initial model's held-out evaluation)."""
         return [(r["step"], float(r[key])) for r in self.rows
-                if r.get("step", 0) >= 1 and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+                if isinstance(r.get("step"), int) and r["step"] >= 0
+                and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
     @property
     def name(self) -> str:
@@ -106,19 +112,25 @@ def _mean(values: list[float]) -> float:
 
 def start_level(run: Run) -> tuple[float, float]:
     """(B, mean repetition) over steps 1..START_STEPS."""
-    trunc = [v for s, v in run.series(TRUNC) if s <= START_STEPS]
-    rep = [v for s, v in run.series(REP) if s <= START_STEPS]
+    trunc = [v for s, v in run.series(TRUNC) if 1 <= s <= START_STEPS]
+    rep = [v for s, v in run.series(REP) if 1 <= s <= START_STEPS]
     return _mean(trunc), _mean(rep)
 
 
-def inflation_onset(run: Run) -> Optional[int]:
-    """The first step of the first window of MIN_RUN consecutive inflated steps, or None."""
+def _inflated(run: Run, t: dict[int, float], r: dict[int, float], n: dict[int, float], step: int) -> bool:
+    """Whether `step` meets every inflation threshold in the values `t`, `r`, `n` (truncation, repetition,
+    length) of `run`; a step missing from `t` does not."""
     b, _ = start_level(run)
-    thr = max(TRUNC_FLOOR, b + TRUNC_RISE)
+    return (step in t and t[step] >= max(TRUNC_FLOOR, b + TRUNC_RISE) and r.get(step, 0.0) >= REP_MIN
+            and n.get(step, 0.0) >= LEN_FRAC * run.budget)
+
+
+def inflation_onset(run: Run) -> Optional[int]:
+    """The first step of the first window of MIN_RUN consecutive inflated steps (3-step means), or None."""
     t, r, n = (dict(trailing(run.series(k))) for k in (TRUNC, REP, LEN))
     streak, first = 0, None
     for step in sorted(t):
-        inflated = (t[step] >= thr and r.get(step, 0.0) >= REP_MIN and n.get(step, 0.0) >= LEN_FRAC * run.budget)
+        inflated = _inflated(run, t, r, n, step)
         if inflated:
             if streak == 0:
                 first = step
@@ -128,6 +140,16 @@ def inflation_onset(run: Run) -> Optional[int]:
         else:
             streak = 0
     return None
+
+
+def first_inflated_step(run: Run, onset: int) -> int:
+    """The first step of the onset's 3-step window whose own values (not their 3-step mean) meet every
+    inflation threshold: the onset's trailing mean may pass because of up to 2 inflated steps before it,
+    which must not count as "before the onset". The onset itself when none of the 2 before it is."""
+    t, r, n = (dict(run.series(k)) for k in (TRUNC, REP, LEN))
+    steps = sorted(t)
+    at = steps.index(onset)
+    return next((s for s in steps[max(0, at - 2):at] if _inflated(run, t, r, n, s)), onset)
 
 
 def check(runs: list[Run], single_seed: bool = False) -> list[Verdict]:
@@ -160,10 +182,11 @@ def check(runs: list[Run], single_seed: bool = False) -> list[Verdict]:
         steps = [s for s, _ in adv if share.get(s, 0.0) > 0 and s in other]
         frac = _mean([1.0 if dict(adv)[s] > other[s] else 0.0 for s in steps]) if steps else float("nan")
         onset = onsets[run.path]
+        start = first_inflated_step(run, onset)
         t, st = dict(run.series(LOGP_T)), dict(run.series(LOGP_S))
 
         def delta(d: dict[int, float]) -> float:
-            before = [d[s] for s in range(onset - ONSET_SPAN, onset) if s in d]
+            before = [d[s] for s in range(start - ONSET_SPAN, start) if s in d]
             after = [d[s] for s in range(onset, onset + ONSET_SPAN) if s in d]
             return _mean(after) - _mean(before)
 
@@ -171,7 +194,8 @@ def check(runs: list[Run], single_seed: bool = False) -> list[Verdict]:
         ok = frac >= ADV_SHARE and dt > ds
         ok_mech &= ok
         mech.append(f"{run.name}: repetitive > other advantage in {frac:.0%} of {len(steps)} steps; onset "
-                    f"{onset}: teacher logp {dt:+.3f} vs student {ds:+.3f}")
+                    f"{onset} (before: steps {start - ONSET_SPAN}-{start - 1}): teacher logp {dt:+.3f} vs "
+                    f"student {ds:+.3f}")
     verdicts.append(Verdict("mechanism (repetitive advantage > other in >= 80% of steps; teacher logp rises more)",
                             ok_mech, "; ".join(mech) or "no inflating opd run"))
 
