@@ -555,3 +555,25 @@ def test_token_budget_groups_rows_by_length():
     assert sum(int(p.response_mask.sum()) for p in parts) == int(batch.response_mask.sum())
     pp = budget_micro_batches(batch, list(range(8)), 120, own_length=False)  # 120 // 50 = 2 rows each
     assert [p.batch_size for p in pp] == [2] * 4 and {p.tokens.shape[1] for p in pp} == {50}
+
+
+def test_a_group_of_empty_responses_stays_within_the_token_budget():
+    """Regression: rows without response tokens count as 2 tokens in the budget (`row_lengths`), but a
+    micro-batch of only such rows kept the step's full length: 8 empty rows beside 40-token rows at a budget
+    of 40 trained as [8, 40], 8x the budget. Now [8, 2], under dynamic batching and when packed."""
+    from megatron_opd.trainer.batch import SequenceItem, budget_micro_batches, build_batch, pack_micro_batches
+
+    items = [SequenceItem([1] * 30, [3] * 10) for _ in range(3)] + [SequenceItem([1] * 30, []) for _ in range(8)]
+    batch = build_batch(items, 0)
+    assert batch.tokens.shape == (11, 40)
+    empty = list(range(3, 11))
+    part = batch.select(empty)
+    assert tuple(part.tokens.shape) == (8, 2) and tuple(part.response_mask.shape) == (8, 1)
+    assert not part.response_mask.any()
+    parts = budget_micro_batches(batch, list(range(11)), 40)
+    assert [p.source_rows.tolist() for p in parts] == [[0], [1], [2], empty]
+    assert [tuple(p.tokens.shape) for p in parts] == [(1, 40)] * 3 + [(8, 2)]
+    assert all(p.tokens.numel() <= 40 for p in parts)
+    assert [tuple(p.tokens.shape) for p in budget_micro_batches(batch, empty, 40, seq_multiple=16)] == [(2, 16)] * 4
+    packed = pack_micro_batches(batch, list(range(11)), 40)
+    assert all(p.tokens.numel() <= 40 for p in packed) and sum(len(p.source_rows) for p in packed) == 11

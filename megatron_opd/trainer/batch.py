@@ -77,14 +77,16 @@ class TrainBatch:
         return b_idx if self.token_row is None else self.token_row.to(b_idx.device)[b_idx]
 
     def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
-        """A sub-batch (minibatch) with the same layout; T and L are trimmed to what the rows need."""
+        """A sub-batch (minibatch) with the same layout; T and L are trimmed to what the rows need. Rows
+        without response tokens need no logits: L = 2 when no row has any (what `row_lengths` counts them
+        as, so a token budget's group of such rows stays within the budget)."""
         if self.packed:
             raise ValueError("TrainBatch.select: a packed micro-batch cannot be re-selected; select from the step batch")
         rows = torch.as_tensor(rows, dtype=torch.long)
         mask = self.response_mask[rows]
         t_max = int(mask.sum(1).max().item()) if mask.numel() else 0
         t_max = max(t_max, 1)
-        l_max = int((self.response_index[rows][mask].max().item() + 2) if mask.any() else self.tokens.shape[1])
+        l_max = int(self.response_index[rows][mask].max().item() + 2) if mask.any() else 2
         l_max = max(min(l_max, self.tokens.shape[1]), 2)
         return TrainBatch(
             tokens=self.tokens[rows, :l_max], position_ids=self.position_ids[rows, :l_max],
