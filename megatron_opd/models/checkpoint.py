@@ -248,11 +248,34 @@ def _optimizers(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _keeps_step_per_param(o: Any) -> bool:
+    """Whether `o`'s inner Adam is torch's, with a `step` in every parameter's state, rather than TE's/apex's
+    FusedAdam, which keeps it in the param groups. Decided as megatron decides it, so that what we allocate matches
+    the branch its loaders take: DistributedOptimizer by its module's HAVE_APEX_OR_TE (set by its TE/apex import),
+    the other wrappers by the USING_PYTORCH_OPTIMIZER that chose the class get_megatron_optimizer built."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
+    if isinstance(o, distrib_optimizer.DistributedOptimizer):
+        return not distrib_optimizer.HAVE_APEX_OR_TE
+    return bool(getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", True))
+
+
 def _allocate_adam_state(optimizer: Any) -> None:
-    """A fresh optimizer holds no Adam state yet; megatron's loaders need it allocated (on CPU too) and, for
-    torch's Adam (no TE/apex), a `step` per parameter. Loading overwrites all of it."""
+    """Before `sharded_state_dict(is_loading=True)`, a fresh torch Adam needs its state allocated: megatron's
+    DistributedOptimizer.state_dict() (the `not HAVE_APEX_OR_TE` branch) reads one `step` from every parameter's
+    state and asserts there is exactly one. So for torch's Adam we allocate what megatron's own load_state_dict
+    does in that branch: exp_avg, exp_avg_sq and a per-parameter `step` (loading overwrites all three).
+
+    A fused Adam (TE/apex, every GPU run with Transformer Engine) gets nothing here: it keeps its step in the param
+    groups, and TE's FusedAdam.state_dict() unscales every name in a parameter's state through a map that knows only
+    exp_avg, exp_avg_sq and master_param (a `step` there was KeyError: 'step' on every GPU resume). megatron
+    allocates that state itself, with the dtypes the optimizer was built with: DistributedOptimizer.load_state_dict
+    (exp_avg, exp_avg_sq, master_param when precision-aware) and the other wrappers' init_state_fn."""
     for o in _optimizers(optimizer):
-        inner = o.optimizer
+        inner = getattr(o, "optimizer", None)
+        if inner is None or not _keeps_step_per_param(o):
+            continue
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:

@@ -128,20 +128,71 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def _rng_tracker() -> Any:
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker()
+
+
+def _tracker_kind() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"  # on CPU, cpu_compat's tracker forks the CPU generator
+
+
 def rng_state() -> dict[str, Any]:
-    """Every RNG a step consumes, so a resumed run continues bit-for-bit."""
+    """Every RNG a step consumes, so a resumed run continues bit-for-bit. As megatron saves them
+    (megatron/training/checkpointing.py, get_rng_state): this rank's CUDA generator -- the current device's only
+    (torch.cuda.get_rng_state), not every visible device's -- and the states of megatron's RNG tracker (the streams
+    forked per TP rank for dropout and init), which belong to this rank too."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = {}
+    for name, s in _rng_tracker().get_states().items():
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"RNG tracker state {name!r} is a {type(s).__name__}, not a tensor (a CUDA-graph-safe "
+                            "tracker?): a checkpoint cannot hold it")
+        tracker[name] = s.clone()
+    state["tracker"], state["tracker_kind"] = tracker, _tracker_kind()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()`'s RNGs on the rank that saved them (megatron's load: torch.cuda.set_rng_state, then
+    the tracker's set_states). A checkpoint of earlier versions holds every visible device's CUDA state: the
+    current device's entry is taken when there is one (as set_rng_state_all gave this device), otherwise the
+    CUDA state is left as seeded, with a note (a resume that sees fewer GPUs per process). Tracker states saved
+    on the other kind of device (CPU vs CUDA) are not applied."""
     torch.set_rng_state(state["torch"])
     random.setstate(_tuplify(state["python"]))
     np.random.set_state(_tuplify(state["numpy"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):
+            device = torch.cuda.current_device()
+            if device < len(cuda):
+                torch.cuda.set_rng_state(cuda[device])
+            else:
+                logger.info("checkpoint RNG state: CUDA states of %d devices (earlier format), none for the current "
+                            "device %d; its CUDA generator stays as seeded", len(cuda), device)
+        else:
+            torch.cuda.set_rng_state(cuda)
+    tracker = state.get("tracker")
+    if tracker is not None:
+        if state.get("tracker_kind") == _tracker_kind():
+            _rng_tracker().set_states({name: s.clone() for name, s in tracker.items()})
+        else:
+            logger.info("checkpoint RNG state: tracker states saved on %s, this run is on %s; the tracker stays as "
+                        "seeded", state.get("tracker_kind"), _tracker_kind())
+
+
+def _drop_per_rank_rng(state: dict[str, Any]) -> None:
+    """At another layout a rank reads rank 0's file: its CUDA generator and tracker states belong to rank 0's
+    device and TP rank (the tracker's model-parallel stream is seeded per TP rank), so they are dropped and this
+    run's own seeding (init_parallel) stands -- as megatron ignores the RNG state after a TP/PP change."""
+    rng = state.get("rng")
+    if isinstance(rng, dict):
+        for k in ("cuda", "tracker", "tracker_kind"):
+            rng.pop(k, None)
 
 
 def _tuplify(x: Any) -> Any:
@@ -167,6 +218,20 @@ def _from_safe_numpy_state(state: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return tuple(v.numpy() if isinstance(v, torch.Tensor) else v for v in state)
     return state
+
+
+def per_rank_refusal(where: str, written: str, here: str) -> str:
+    """Why a checkpoint of format 1 (the per-rank student shards of earlier versions) cannot resume here, and
+    what to do: `written` says how it was written ("by 2 ranks", "at another TP/PP layout ..."), `here` this
+    run's side. The check of the recorded world size and layout (`CheckpointManager.load`) and the one of the
+    shards' shapes (`MegatronPolicy.load_state_dict`, for checkpoints that recorded their world size only)."""
+    return (f"checkpoint {where} is in the per-rank format of megatron-opd before the torch_dist trainer state "
+            f"and was written {written}; it resumes only there (this run {here}). Resume it once at its own "
+            "layout: its next save is layout-free, and any TP/PP/DP layout or world size can resume from that one.")
+
+
+def _layout_text(layout: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in layout.items())
 
 
 class CheckpointManager:
@@ -285,7 +350,8 @@ class CheckpointManager:
     def load(self, step: Optional[int] = None) -> tuple[int, dict[str, Any], Optional[Path]]:
         """(step, this rank's state, the torch_dist dir of the shared part or None for a format-1 checkpoint).
         At the layout that wrote it each rank reads its own file; at another layout every rank reads rank 0's
-        (the RNG states then are rank 0's: sampling is seeded per step, so the run goes on the same)."""
+        (the CPU, Python and numpy RNG states then are rank 0's: sampling is seeded per step, so the run goes on the
+        same; the per-rank CUDA and tracker states are dropped, see `_drop_per_rank_rng`)."""
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -299,17 +365,18 @@ class CheckpointManager:
         # format 1 recorded the world size only, and its rank files hold each rank's own shard
         same = written == self.layout if fmt >= 2 else meta["world_size"] == self.world_size
         if fmt < 2 and meta["world_size"] != self.world_size:
-            raise RuntimeError(
-                f"checkpoint {path} is in the per-rank format of megatron-opd before the torch_dist trainer state "
-                f"and was written by {meta['world_size']} ranks; it resumes only there (this run has "
-                f"{self.world_size}). Resume it once at its own layout: its next save is layout-free, and any "
-                "TP/PP/DP layout or world size can resume from that one.")
+            raise RuntimeError(per_rank_refusal(str(path), f"by {meta['world_size']} ranks", f"has {self.world_size}"))
+        if fmt < 2 and written != {k: self.layout[k] for k in written}:  # a recorded TP/PP/DP of its own
+            raise RuntimeError(per_rank_refusal(str(path), f"at {_layout_text(written)}",
+                                                f"is at {_layout_text(self.layout)}"))
         state = torch.load(path / f"rank{self.rank if same else 0}.pt", map_location="cpu", weights_only=True)
         if "rng" in state and "numpy" in state["rng"]:
             state["rng"]["numpy"] = _from_safe_numpy_state(state["rng"]["numpy"])
-        if not same and self.rank == 0:
-            logger.info("checkpoint %s was written at %s; resuming at %s (weights and optimizer resharded)", path,
-                        written, self.layout)
+        if not same:
+            _drop_per_rank_rng(state)
+            if self.rank == 0:
+                logger.info("checkpoint %s was written at %s; resuming at %s (weights and optimizer resharded; the "
+                            "CUDA and RNG-tracker states stay as this layout seeded them)", path, written, self.layout)
         return step, state, (path / SHARED if fmt >= 2 else None)
 
     def _prune(self) -> None:
