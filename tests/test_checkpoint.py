@@ -113,6 +113,28 @@ def test_rollback_save_keeps_older_checkpoints_and_drops_abandoned_ones(tmp_path
     assert mgr.steps() == [4, 6]
 
 
+def test_per_rank_format_with_its_layout_recorded_is_refused_at_another_layout_of_the_same_world_size(tmp_path):
+    """Regression: a format-1 checkpoint (per-rank student shards) that recorded tp=2 was loaded at dp=2 (same
+    world size) and torch then failed on the shards ("size mismatch"); now the project's refusal, with what to
+    do. At its own layout it still loads each rank's own file."""
+    import json
+
+    d = tmp_path / "step_00000001"
+    d.mkdir()
+    for r in (0, 1):
+        torch.save({"r": r}, d / f"rank{r}.pt")
+    (d / "meta.json").write_text(json.dumps({"step": 1, "world_size": 2, "tp": 2, "pp": 1, "dp": 1}))
+    (tmp_path / "latest").write_text("step_00000001\n")
+    own = CheckpointManager(tmp_path, rank=1, world_size=2, layout={"tp": 2, "pp": 1, "dp": 1})
+    assert own.load(1)[1]["r"] == 1
+    for layout in ({"tp": 1, "pp": 1, "dp": 2}, {"tp": 1, "pp": 2, "dp": 1}):
+        other = CheckpointManager(tmp_path, rank=1, world_size=2, layout=layout)
+        with pytest.raises(RuntimeError, match=r"per-rank format .* written at world_size=2, tp=2, pp=1, dp=1; it "
+                                               r"resumes only there \(this run is at world_size=2, tp=1, .*\)\. "
+                                               r"Resume it once at its own layout"):
+            other.load(1)
+
+
 def test_pause_hook_only_fires_for_its_phase_and_step(tmp_path, monkeypatch):
     monkeypatch.setenv(ck.PAUSE_ENV, "moved_aside:7")  # another step: the re-save of step 1 does not pause
     mgr = CheckpointManager(tmp_path)

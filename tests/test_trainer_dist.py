@@ -3,6 +3,8 @@ broadcast, vocab-parallel scoring, metric gathering and the collective weight sy
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -173,3 +175,56 @@ def test_resume_on_another_layout_continues_the_run(models, tmp_path, before, af
             rows = min(u.shape[0], v.shape[0])
             u, v = u[:rows], v[:rows]
         torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-5)
+
+
+def _legacy_checkpoint(rank, world_size, overrides):
+    """One step, then a checkpoint in the per-rank format of earlier versions (format 1: each rank's student
+    shards in its own file), by the writer test_trainer_e2e keeps for that."""
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.loop import Trainer
+    from test_trainer_e2e import _legacy_save
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.train(stop_after=1)
+        _legacy_save(trainer)
+    finally:
+        trainer.close()
+    return trainer.step
+
+
+def _resume_error(rank, world_size, overrides):
+    from megatron_opd.config import load_config
+    from megatron_opd.trainer.loop import Trainer
+
+    try:
+        trainer = Trainer(load_config(None, overrides))
+    except RuntimeError as e:
+        return str(e)
+    trainer.close()
+    return f"resumed at step {trainer.step}"
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_per_rank_checkpoint_of_another_tp_layout_is_refused_at_the_same_world_size(models, tmp_path):
+    """Regression: a format-1 checkpoint of an earlier version (its meta.json records the world size only)
+    written at TP=2 and resumed at DP=2 (same world size) failed in torch's load_state_dict ("size mismatch" on
+    the TP shards); now every rank refuses with the project's text, naming a tensor that does not fit and what
+    to do."""
+    import json
+
+    root, student, teacher, data = models
+    run = tmp_path / "run"
+    tp2 = _overrides(student, teacher, data, run, 2) + ["checkpoint.save_every=100"]
+    assert run_distributed(_legacy_checkpoint, 2, tp2) == [1, 1]
+    step1 = run / "checkpoints" / "step_00000001"
+    meta = json.loads((step1 / "meta.json").read_text())
+    assert meta.get("format", 1) == 1 and not (step1 / "shared").exists()
+    (step1 / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k not in ("tp", "pp", "dp")}))
+    dp2 = _overrides(student, teacher, data, run, 1) + ["checkpoint.save_every=100"]
+    for err in run_distributed(_resume_error, 2, dp2):
+        assert "size mismatch" not in err
+        assert re.search(r"checkpoint of step 1 under .* is in the per-rank format .* written at another TP/PP layout "
+                         r"\(.*: \[.*\] in the checkpoint, \[.*\] here\); it resumes only there \(this run is at "
+                         r"tp=1, pp=1\)\. Resume it once at its own layout", err), err

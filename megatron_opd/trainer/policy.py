@@ -26,6 +26,7 @@ from megatron_opd.models.parallel import host_group, is_pipeline_last_stage, mod
 from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
 from megatron_opd.teacher.megatron import vocab_parallel_topk
 from megatron_opd.trainer.batch import TrainBatch, pad_batch, plan_micro_batches, round_up, seq_len_multiple
+from megatron_opd.trainer.checkpoint import per_rank_refusal
 
 # (response logp [B, T], response logits [N, V/tp] or None, batch, full logits) -> (loss, float terms)
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -343,9 +344,18 @@ class MegatronPolicy:
             zero_grads(self.setup)
             self.setup = restart_optimizer(self.setup, self.cfg.optim, self.total_steps)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], source: str = "(per-rank format)") -> None:
         """A checkpoint of the per-rank format (before torch_dist trainer state): this rank's own shard, so
-        only at the layout that wrote it."""
+        only at the layout that wrote it. Those of earlier versions recorded their world size only, so at the
+        same world size but another TP/PP layout only the shards tell: collective, every rank refuses with
+        what to do (`per_rank_refusal`, `source` naming the checkpoint) when any rank's shards do not fit its
+        model, instead of torch's size mismatch on some ranks."""
+        misfit = _shard_misfit(unwrap(self.model), state["model"])
+        if _broadcast_flag(1.0 if misfit else 0.0):
+            p = self.cfg.parallel
+            raise RuntimeError(per_rank_refusal(source, f"at another TP/PP layout ({misfit or 'on another rank'})",
+                                                f"is at tp={p.tensor_model_parallel_size}, "
+                                                f"pp={p.pipeline_model_parallel_size}"))
         missing, unexpected = unwrap(self.model).load_state_dict(state["model"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -359,6 +369,21 @@ class MegatronPolicy:
                         o.load_parameter_state_from_dp_reshardable(shard)
                 unshare_adam_step(o)
             self.setup.scheduler.load_state_dict(state["scheduler"])
+
+
+def _shard_misfit(model: torch.nn.Module, saved: dict[str, Any]) -> Optional[str]:
+    """The first tensor of `saved` (a per-rank checkpoint's model shard) that this rank's `model` lacks, has in
+    another shape, or has and `saved` lacks; None when the shard fits."""
+    own = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    for k, v in saved.items():
+        if k.endswith("_extra_state") or not isinstance(v, torch.Tensor):
+            continue
+        if k not in own:
+            return f"{k} is not in this rank's model"
+        if tuple(v.shape) != tuple(own[k].shape):
+            return f"{k}: {list(v.shape)} in the checkpoint, {list(own[k].shape)} here"
+    lacking = [k for k in own if k not in saved]
+    return f"{lacking[0]} is not in the checkpoint" if lacking else None
 
 
 def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> None:

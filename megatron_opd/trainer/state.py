@@ -46,7 +46,7 @@ def restore(trainer: Any, step: int, rollback: bool) -> tuple[int, list[int]]:
         trainer.student.load_shared(shared)
         trainer.student.load_scheduler_state(state["scheduler"])
     else:
-        trainer.student.load_state_dict(state["policy"])
+        trainer.student.load_state_dict(state["policy"], source=f"of step {step} under {trainer.ckpt.root}")
     trainer.step, trainer.skipped_steps = int(state["step"]), int(state["skipped_steps"])
     trainer.beta_kl = float(state["beta_kl"])  # may exceed algo.beta_kl after raise_beta_kl / rollback
     dropped: list[int] = []
