@@ -34,7 +34,9 @@ def _worker(rank: int, world: int, path: str, tp: int, pp: int, mbs: int, max_to
 
 def _check(results: list[list[dict]], path) -> None:
     expected = HFTeacher.from_pretrained(path).score(PROMPTS, RESPONSES, top_k=TOP_K)
-    for rank_res in results:  # every rank returns the full answer
+    assert results and len(expected) == len(PROMPTS)
+    for rank_res in results:  # every rank returns the full answer: one result per sequence, none missing
+        assert len(rank_res) == len(expected), (len(rank_res), len(expected))
         for e, g in zip(expected, rank_res):
             torch.testing.assert_close(torch.tensor(g["lp"]).reshape(-1), e.logprobs, atol=1e-4, rtol=0)
             torch.testing.assert_close(torch.tensor(g["tlp"]).reshape(-1, TOP_K), e.topk_logprobs, atol=1e-4, rtol=0)
