@@ -32,7 +32,9 @@ def models(tmp_path_factory):
     return root, student, teacher, data["train"]
 
 
-BUDGET = "train.max_tokens_per_microbatch=400"  # rows of ~190 tokens: micro-batches of 1 and 2 rows
+# rows of ~190 tokens: micro-batches of 1 and 2 rows, 2 on each rank (ranks with different micro-batch counts:
+# test_objective_batching.py::test_logged_losses_equal_the_whole_minibatch_when_ranks_hold_different_micro_batch_counts)
+BUDGET = "train.max_tokens_per_microbatch=400"
 PACK = "train.pack_sequences=true"  # two rows per packed sequence
 
 
