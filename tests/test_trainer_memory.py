@@ -190,15 +190,19 @@ def _pp_run(rank, world_size, overrides):
 
     trainer = Trainer(load_config(None, overrides))
     shapes: list[tuple[int, int]] = []
-    source = trainer.learner.ref_logits_source
+    make_loss = trainer.learner.loss_fn
 
-    def spy(ref, micro):  # PP > 1: the reference's rows are attached per minibatch, not per step
-        out = source(ref, micro)
-        shapes.extend((int(m.ref_logits.shape[0]), int(m.response_mask.sum())) for m in micro
-                      if m.ref_logits is not None)
-        return out
+    def spy(*args, **kwargs):  # the reference rows each micro-batch's loss sees
+        fn, *rest = make_loss(*args, **kwargs)
 
-    trainer.learner.ref_logits_source = spy
+        def loss(logp, resp_logits, batch, logits):
+            if batch.ref_logits is not None:
+                shapes.append((int(batch.ref_logits.shape[0]), int(batch.response_mask.sum())))
+            return fn(logp, resp_logits, batch, logits)
+
+        return (loss, *rest)
+
+    trainer.learner.loss_fn = spy
     try:
         trainer.train()
     finally:
@@ -208,8 +212,9 @@ def _pp_run(rank, world_size, overrides):
 
 @pytest.mark.dist
 def test_pipeline_parallel_full_kl_matches_single_process(setup, tmp_path):
-    """PP=2 (the reference's logits from its own forward-only pipeline pass per minibatch) reproduces
-    the single-process run, and the last stage attaches each micro-batch exactly its own rows."""
+    """PP=2 (the reference run inside the student's schedule, its logits reaching the last stage one
+    micro-batch at a time) reproduces the single-process run, and each micro-batch's loss sees exactly
+    its own reference rows."""
     from _dist import run_distributed
 
     _root, student, teacher, data = setup

@@ -18,6 +18,7 @@ influence earlier positions; tests check it). Packed rows (several sequences in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -338,6 +339,7 @@ def forward_backward(
     forward_only: bool = False,
     prepare: Optional[Callable[[dict], None]] = None,
     layout: Optional[Any] = None,
+    companion: Optional["Companion"] = None,
 ) -> list[dict]:
     """Run megatron's pipeline schedule (``get_forward_backward_func``) over ``microbatches``.
 
@@ -352,6 +354,8 @@ def forward_backward(
     ``prepare(microbatch)``, if given, runs right before each microbatch's forward on this stage
     (the trainer computes that micro-batch's reference logits there, so only one is ever held).
     ``layout`` (`models.parallel.ModelLayout`) runs a model built with its own process groups.
+    ``companion`` (see ``Companion``) runs a frozen model of the same layout forward-only beside ``model``,
+    micro-batch by micro-batch inside the same schedule.
     """
     if not microbatches:
         raise ValueError("microbatches: empty")
@@ -371,8 +375,11 @@ def forward_backward(
         if pos is None:
             pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         extra = {"packed_seq_params": mb["packed_seq_params"]} if mb.get("packed_seq_params") is not None else {}
+        side = companion.forward(mdl, mb, ids, pos, extra) if companion is not None else None
         with logit_rows(mdl, mb.get("logit_rows")):
             out = mdl(ids, pos, mb.get("attention_mask"), **extra)
+        if side is not None:  # a stage before the last: the companion's hidden states ride along
+            out = torch.cat([out, companion.wire.encode(side)], 0)
 
         def loss_func(output_tensor: torch.Tensor):
             return loss_fn(output_tensor, mb)
@@ -381,6 +388,12 @@ def forward_backward(
 
     max_s = max(mb["input_ids"].shape[1] for mb in microbatches)
     kwargs: dict[str, Any] = {}
+    if companion is not None:
+        companion.bind(model)
+        if pipelined:
+            factor = 1 + companion.wire.factor
+            kwargs["adjust_tensor_shapes_fn"] = lambda recv, send: (
+                [(s * factor, *rest) for s, *rest in recv], [(s * factor, *rest) for s, *rest in send])
     if layout is None:
         schedule = get_forward_backward_func()
     else:
@@ -402,8 +415,82 @@ def forward_backward(
     ))
 
 
+class _Wire:
+    """How a companion's hidden states travel in the trained model's pipeline buffers (megatron allocates
+    them in the trained model's ``pipeline_dtype``), bit-exactly: the same dtype as is; a narrower one cast
+    up (bf16/fp16 -> fp32 is exact); one of the same width reinterpreted; a wider one (an fp32 companion
+    beside a bf16 model) reinterpreted as ``factor`` times as many sequence positions."""
+
+    def __init__(self, own: torch.dtype, wire: torch.dtype):
+        self.own, self.dtype = own, wire
+        own_size, wire_size = own.itemsize, wire.itemsize
+        self.factor = own_size // wire_size if own_size > wire_size else 1
+
+    def encode(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == self.dtype:
+            return t
+        if t.dtype.itemsize < self.dtype.itemsize:
+            return t.to(self.dtype)
+        s, b, h = t.shape
+        return t.contiguous().view(self.dtype).reshape(s * self.factor, b, h)
+
+    def decode(self, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == self.own:
+            return w
+        if self.own.itemsize < self.dtype.itemsize:
+            return w.to(self.own)
+        s, b, h = w.shape
+        return w.contiguous().reshape(s // self.factor, b, h * self.factor).view(self.own)
+
+
+def _pipeline_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's stages exchange (megatron's ``config.pipeline_dtype``, else its params_dtype)."""
+    config = _unwrap(model).config
+    return getattr(config, "pipeline_dtype", None) or config.params_dtype
+
+
+@dataclass
+class Companion:
+    """A frozen model with the trained model's pipeline layout (the reference of the full KL) that runs
+    forward-only inside the trained model's schedule, on the same micro-batch right before it.
+
+    Why: under pipeline parallelism the loss lives on the last stage, and a separate forward-only pipeline
+    pass of the companion would have to keep its logits for every micro-batch of the minibatch there
+    until the training schedule reaches them. Here each stage runs its companion layers on the micro-batch
+    it is about to forward and sends their hidden states on together with its own (one buffer, the
+    sequence dimension ``1 + wire.factor`` times as long; no gradient flows into the companion's part), so
+    the last stage gets the companion's logits of one micro-batch at a time: ``on_logits(logits,
+    microbatch)`` is called there right before the trained model's forward of that micro-batch, with
+    ``[1, N, V/tp]`` at the micro-batch's ``logit_rows``."""
+
+    model: torch.nn.Module
+    on_logits: Callable[[torch.Tensor, dict], None]
+    wire: Optional[_Wire] = None
+
+    def bind(self, trained: torch.nn.Module) -> None:
+        self.wire = _Wire(_pipeline_dtype(self.model), _pipeline_dtype(trained))
+
+    def forward(self, trained: torch.nn.Module, mb: dict, ids: torch.Tensor, pos: torch.Tensor,
+                extra: dict) -> Optional[torch.Tensor]:
+        """This stage's companion forward of `mb`; on a stage after the first, the received buffer is split
+        first (the trained model keeps a view of its own part, so its input gradient flows back). Returns
+        the hidden states to send on, or None on the last stage (the logits went to ``on_logits``)."""
+        inner, side = _unwrap(trained), _unwrap(self.model)
+        if not getattr(inner, "pre_process", True):
+            received = inner.decoder.input_tensor
+            n = received.shape[0] // (1 + self.wire.factor)
+            inner.set_input_tensor(received[:n])
+            side.set_input_tensor(self.wire.decode(received[n:].detach()))
+        with torch.no_grad(), logit_rows(self.model, mb.get("logit_rows")):
+            out = self.model(ids, pos, mb.get("attention_mask"), **extra)
+        if getattr(inner, "post_process", True):
+            self.on_logits(out, mb)
+            return None
+        return out
+
+
 __all__ = [
-    "LossFn", "enable_logit_rows", "forward_backward", "logit_rows",
+    "Companion", "LossFn", "enable_logit_rows", "forward_backward", "logit_rows",
     "Reduce", "default_tp_group", "forward_logits", "forward_logprobs", "iter_logit_chunks",
     "mask_vocab_padding", "model_vocab_size", "vocab_parallel_reduce", "vocab_parallel_token_logprobs",
 ]

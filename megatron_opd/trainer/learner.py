@@ -109,20 +109,19 @@ class Learner:
                                   seq_multiple=self.student.seq_multiple,
                                   own_length=self.cfg.parallel.pipeline_model_parallel_size == 1)
 
-    def ref_logits_source(self, ref: MegatronPolicy, micro: list[TrainBatch]) -> Optional[Callable]:
+    def ref_logits_source(self, ref: MegatronPolicy, micro: list[TrainBatch]) -> Callable | MegatronPolicy:
         """Reference logits for full-vocabulary KL, one micro-batch at a time (docs/scaling.md).
 
         PP=1: a callable the student's schedule runs right before each micro-batch's forward (one
         reference forward of exactly that micro-batch; the [b, S, V/tp] logits live only inside it).
-        PP>1: the loss lives on the last stage and the reference needs its own pipeline pass, which
-        cannot run inside the student's 1F1B schedule: one forward-only pass over this minibatch's
-        micro-batches right before it trains, keeping [N_minibatch, V/tp] in the model's dtype (a
-        bounded per-minibatch cache), each micro-batch's share dropped once its loss is computed."""
+        PP>1: the reference itself, which the student's 1F1B schedule runs beside the student: every
+        stage forwards its reference layers on the micro-batch it is about to train, and the last stage
+        gets that micro-batch's reference logits right before its loss (`MegatronPolicy.train_minibatch`).
+        A separate reference pipeline pass would have to keep a whole minibatch's [N, V/tp] logits on
+        the last stage (~100 GB at 8k-token responses for a 7B student at TP2 x PP2)."""
         if self.cfg.parallel.pipeline_model_parallel_size == 1:
             return ref.micro_response_logits
-        for part, logits in zip(micro, ref.response_logits_for(micro)):
-            part.ref_logits = logits
-        return None
+        return ref
 
     def _adv_stats(self, mb: TrainBatch, algo: Any) -> tuple[float, float, float]:
         """(sum, sum of squares, count) of the advantage before whitening over the policy tokens of the

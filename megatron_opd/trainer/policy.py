@@ -17,8 +17,9 @@ import torch.distributed as dist
 from megatron_opd.config import Config
 from megatron_opd.models.checkpoint import load_training_state, save_training_state, unshare_adam_step
 from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model, resolve_layer_spec
-from megatron_opd.models.logprobs import (default_tp_group, enable_logit_rows, forward_backward, forward_logits,
-                                          mask_vocab_padding, vocab_parallel_reduce, vocab_parallel_token_logprobs)
+from megatron_opd.models.logprobs import (Companion, default_tp_group, enable_logit_rows, forward_backward,
+                                          forward_logits, mask_vocab_padding, vocab_parallel_reduce,
+                                          vocab_parallel_token_logprobs)
 from megatron_opd.models.optimizer import (grads_finite, optimizer_step, restart_optimizer, setup_training, unwrap,
                                            zero_grads)
 from megatron_opd.models.packing import packed_inputs
@@ -202,8 +203,8 @@ class MegatronPolicy:
         parallelism too).
 
         Memory: `want_logits` keeps [N, V/tp] (`response_logits`: the model's dtype, fp32 at T != 1) for
-        all N response tokens of `batch`; the trainer asks for it per micro-batch (`response_logits_for`),
-        never per step."""
+        all N response tokens of `batch`; the trainer never asks for it (the full KL's reference logits come
+        one micro-batch at a time: `micro_response_logits`, or inside the schedule, see `train_minibatch`)."""
         was_training = self.model.training
         self.model.eval()
         logps: list[torch.Tensor] = []
@@ -245,25 +246,9 @@ class MegatronPolicy:
         finally:
             self.model.train(was_training)
 
-    @torch.no_grad()
-    def response_logits_for(self, micro_batches: list[TrainBatch]) -> list[Optional[torch.Tensor]]:
-        """[N_i, V/tp] response logits (`response_logits`) of each micro-batch, through one forward-only
-        pipeline pass (any PP); on a non-last stage a list of None."""
-        out: list[Optional[torch.Tensor]] = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            def loss_fn(logits: torch.Tensor, mbd: dict):
-                out.append(self.response_logits(logits, mbd["batch"]))
-                return logits.new_zeros(()), {}
-
-            forward_backward(self.model, [self.micro_dict(b) for b in micro_batches], loss_fn, forward_only=True)
-        finally:
-            self.model.train(was_training)
-        return out if self.is_last_stage else [None] * len(micro_batches)
-
     def train_minibatch(self, micro_batches: list[TrainBatch], loss_fn: LossFn, want_logits: bool,
-                        ref_logits: Optional[Callable[[TrainBatch], torch.Tensor]] = None) -> dict[str, float]:
+                        ref_logits: Optional[Callable[[TrainBatch], torch.Tensor] | "MegatronPolicy"] = None
+                        ) -> dict[str, float]:
         """One optimizer step over `micro_batches` (same shape each; gradients accumulate through
         megatron's schedule, which averages the micro-batch losses). A non-finite log-prob, loss or
         gradient skips the update (weights and optimizer state untouched); `update_skipped` and
@@ -271,7 +256,10 @@ class MegatronPolicy:
         micro-batch on every data-parallel rank, merged by `_mean_stats`), the same on each rank.
 
         `ref_logits(micro_batch)`, if given, is called right before each micro-batch's forward and its
-        result set as `micro_batch.ref_logits`; whichever way they came, a micro-batch's reference
+        result set as `micro_batch.ref_logits`. `ref_logits` a frozen policy of this layout (any PP): it
+        runs inside this schedule (`models.logprobs.Companion`), each stage forwarding its reference
+        layers on the micro-batch right before the student's, so the last stage sets its response logits
+        (`response_logits`) one micro-batch at a time. Whichever way they came, a micro-batch's reference
         logits are dropped from it once its loss is computed (autograd holds them until its backward),
         so at most one micro-batch's worth is alive at a time."""
         assert self.setup is not None, "train_minibatch on a frozen policy"
@@ -298,10 +286,25 @@ class MegatronPolicy:
         def _prepare(mbd: dict) -> None:
             mbd["batch"].ref_logits = ref_logits(mbd["batch"])
 
+        ref = ref_logits if isinstance(ref_logits, MegatronPolicy) else None
+        companion = None
+        if ref is not None:
+            ref_logits = None
+            ref_was_training = ref.model.training
+            ref.model.eval()
+
+            def _ref_rows(logits: torch.Tensor, mbd: dict) -> None:
+                mbd["batch"].ref_logits = ref.response_logits(logits, mbd["batch"])
+
+            companion = Companion(ref.model, _ref_rows)
         micro = [self.micro_dict(b) for b in micro_batches]
         for b in micro_batches:  # the device copies hold them now, each dropped after its loss
             b.ref_logits = None
-        forward_backward(self.model, micro, _loss, prepare=_prepare if ref_logits else None)
+        try:
+            forward_backward(self.model, micro, _loss, prepare=_prepare if ref_logits else None, companion=companion)
+        finally:
+            if ref is not None:
+                ref.model.train(ref_was_training)
         stats = _mean_stats(_dp_rows(per_micro))
         if _broadcast_flag(stats.get("nonfinite_loss", 0.0)):
             zero_grads(self.setup)
