@@ -33,6 +33,7 @@ from _common import free_port  # noqa: E402 - the scripts' shared helpers, besid
 
 TARGET = 0.15
 STEPS = 2
+SAVE = "bench.save_in_window"  # not a config key: the worker saves a checkpoint after the steps, inside the window
 
 # name -> (model scale, world size, overrides). Rollouts at the budget (random models seldom stop early;
 # the SmolLM2 benchmark student rambles), one minibatch, golden rows with stable_opd.
@@ -50,12 +51,22 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {
     "smol-opd": ("smol", 1, ["algo.preset=opd"]),
     "smol-stable_opd": ("smol", 1, ["algo.preset=stable_opd"]),
     "smol-stable_opd-recompute": ("smol", 1, ["algo.preset=stable_opd", "model.recompute_activations=full"]),
+    # PP2 + the full KL over a 32k vocabulary, one row per micro-batch: the reference's logits reach the last
+    # stage one micro-batch at a time (a minibatch's worth before the reference ran inside the schedule)
+    "tiny32k-stable_opd-pp2": ("tiny32k", 2, ["algo.preset=stable_opd", "parallel.pipeline_model_parallel_size=2",
+                                              "teacher.pipeline_model_parallel_size=2", "train.micro_batch_size=1"]),
+    # a token budget below one row: every row is forwarded whole
+    "tiny-stable_opd-over-budget": ("tiny", 1, ["algo.preset=stable_opd", "train.max_tokens_per_microbatch=64"]),
+    # a checkpoint save inside the measured window (distributed optimizer, DP2): the gathered optimizer state
+    "tiny-stable_opd-dp2-save": ("tiny", 2, ["algo.preset=stable_opd", "model.recompute_activations=full", SAVE]),
 }
 
 
-def tiny_models(root: Path) -> tuple[Path, Path]:
+def tiny_models(root: Path, vocab: int = 0) -> tuple[Path, Path]:
     """A random student (8 layers, h 512) and teacher (10 layers) over the byte tokenizer: ~25M
-    parameters, so that every component is tens of MB, well above allocator noise."""
+    parameters, so that every component is tens of MB, well above allocator noise. `vocab` > 0: that many
+    embedding rows instead of the tokenizer's (the logits then weigh what a real vocabulary's do; the
+    rollouts sample ids the byte tokenizer decodes as nothing)."""
     from megatron_opd.data.toy_tokenizer import byte_tokenizer
     from megatron_opd.models.tiny import make_tiny_hf_model
 
@@ -64,7 +75,8 @@ def tiny_models(root: Path) -> tuple[Path, Path]:
     for name, seed, layers in (("student", 0, 8), ("teacher", 1, 10)):
         d = root / name
         if not (d / "config.json").is_file():
-            make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=len(tok), num_hidden_layers=layers, hidden_size=512,
+            make_tiny_hf_model("qwen2", d, seed=seed, vocab_size=vocab or len(tok), num_hidden_layers=layers,
+                               hidden_size=512,
                                intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
                                eos_token_id=2, pad_token_id=0, bos_token_id=1, max_position_embeddings=4096)
             tok.save_pretrained(str(d))
@@ -81,12 +93,15 @@ def setting(scale: str, work: Path) -> list[str]:
     from megatron_opd.demo import bench_pair
     from megatron_opd.models.pretrained import default_cache_dir
 
-    student, teacher = tiny_models(work / "models") if scale == "tiny" else bench_pair(default_cache_dir())
+    if scale.startswith("tiny"):
+        student, teacher = tiny_models(work / "models", vocab=int(scale[4:-1] or 0) * 1024)
+    else:
+        student, teacher = bench_pair(default_cache_dir())
     data = write_builtin_jsonl(work / "data", n_train=16, n_eval=2)["train"]
     cfg = load_config(None, [f"model.hf_path={student}", f"data.train_path={data}"])
     recs = load_prompts(data, cfg.data, AutoTokenizer.from_pretrained(str(student)))
     longest = max(len(r.prompt_ids) for r in recs.records)  # the plan sizes rows by data.max_prompt_tokens
-    new = 48 if scale == "tiny" else 64
+    new = 48 if scale.startswith("tiny") else 64
     return [f"model.hf_path={student}", f"teacher.hf_path={teacher}", "teacher.backend=megatron",
             "rollout.backend=local", f"data.train_path={data}", f"data.max_prompt_tokens={longest}",
             "data.shuffle=false", f"train.steps={STEPS}", "train.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
@@ -112,7 +127,7 @@ def _peak_gb(trace: Path) -> tuple[float, float]:
     return (max(inside) - baseline) / 1e9, baseline / 1e9
 
 
-def worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+def worker(rank: int, world: int, port: int, overrides: list[str], out: str, save: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1" if world > 1 else os.environ.get("OMP_NUM_THREADS", ""))
     import torch
@@ -130,6 +145,8 @@ def worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> 
             with record_function("opd_steps"):
                 for _ in range(STEPS):
                     trainer.train_step()
+                if save:
+                    trainer.save()
         finally:
             trainer.close()
     trace = Path(out) / f"trace{rank}.json"
@@ -139,23 +156,27 @@ def worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> 
     Path(out, f"rank{rank}.json").write_text(json.dumps({"measured_gb": peak, "baseline_gb": base}))
 
 
-def predict(overrides: list[str], world: int) -> list[dict[str, Any]]:
-    """Per rank: the plan's CPU prediction (the rollout engine lives on rank 0 only)."""
+def predict(overrides: list[str], world: int, save: bool = False) -> list[dict[str, Any]]:
+    """Per rank: the plan's CPU prediction over the measured window, the steps (rollout and training
+    phases) and, with `save`, a checkpoint save; the startup phase is before the window. The rollout
+    engine lives on rank 0 only."""
     from megatron_opd.config import load_config
-    from megatron_opd.plan import GPUS, Cluster, arch_from, plan_run
+    from megatron_opd.plan import GPUS, Cluster, RankPlan, Component, arch_from, plan_run
 
     cfg = load_config(None, overrides)
     student, teacher = arch_from(cfg.model.hf_path, "model"), arch_from(cfg.teacher.hf_path, "teacher")
     plan = plan_run(cfg, Cluster(GPUS["h100-80gb"], trainer=world), student, teacher, device="cpu")
     pp = cfg.parallel.pipeline_model_parallel_size
+    phases = ("rollout", "training", "save") if save else ("rollout", "training")
     out = []
     for rank in range(world):
         stage = 0 if pp == 1 else (0 if rank < world // pp else 1)  # megatron's rank order: TP, then DP... PP last
-        comps = plan["ranks"][stage]["components"]
-        if rank:
-            comps = [c for c in comps if not c["name"].startswith("rollout engine")]
-        out.append({"rank": rank, "role": plan["ranks"][stage]["role"], "predicted_gb": sum(c["gb"] for c in comps),
-                    "components": {c["name"]: round(c["gb"], 4) for c in comps}})
+        r = plan["ranks"][stage]
+        rp = RankPlan(r["role"], [Component(**c) for c in r["components"]])
+        gb, phase = rp.peak(phases, rank0=rank == 0)
+        comps = [c for c in rp.components if c.phase in ("", phase) and (rank == 0 or not c.rank0)]
+        out.append({"rank": rank, "role": r["role"], "predicted_gb": gb, "phase": phase,
+                    "components": {c.name: round(c.gb, 4) for c in comps}})
     return out
 
 
@@ -163,12 +184,14 @@ def run_config(name: str, work: Path, timeout: float) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     scale, world, extra = CONFIGS[name]
+    save = SAVE in extra
+    extra = [e for e in extra if e != SAVE]
     overrides = setting(scale, work / scale) + extra + [f"logging.out_dir={work / 'runs' / name}"]
     out = work / "results" / name
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, overrides, str(out))) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, overrides, str(out), save)) for r in range(world)]
     t = time.time()
     for p in procs:
         p.start()
@@ -179,7 +202,7 @@ def run_config(name: str, work: Path, timeout: float) -> list[dict[str, Any]]:
             raise RuntimeError(f"{name}: rank timed out after {timeout:.0f} s")
         if p.exitcode != 0:
             raise RuntimeError(f"{name}: a rank exited with {p.exitcode}")
-    rows = predict(overrides, world)
+    rows = predict(overrides, world, save)
     for row in rows:
         m = json.loads((out / f"rank{row['rank']}.json").read_text())
         row.update(config=name, measured_gb=m["measured_gb"], error=row["predicted_gb"] / m["measured_gb"] - 1)

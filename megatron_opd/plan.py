@@ -6,13 +6,21 @@ teacher GPU), what each component needs, whether it fits, and, when not, which l
 
 Every number is a formula over the architecture (`Arch`) and the config, stated beside it; the
 constants that are not formulas (CUDA context, NCCL buffers, MFU) are named and stated. On the CPU the
-same formulas are checked against measured runs (`benchmarks/bench_plan.py`, docs/scaling.md).
+same formulas are checked against measured runs (`benchmarks/bench_plan.py`, docs/scaling.md), and
+`--gpu cpu` plans a CPU run against this machine's RAM.
+
+A rank's memory is what it holds throughout (weights, gradients, optimizer state) plus the largest of
+what its phases hold only while they run: rollout (the local engine's KV cache), training (activations,
+logits) and a checkpoint save (the distributed optimizer's gather); the phases never overlap in a step.
+Host RAM (the HF checkpoint read at start, the save's gathered optimizer state) is its own table.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +35,10 @@ CUDA_CONTEXT_GB = 0.6  # CUDA context + cuBLAS/cuDNN workspaces of one process
 NCCL_GB = 0.5  # NCCL communicator buffers, per process (a few channels x 4 MB x peers)
 ALLOCATOR_SLACK = 0.05  # PyTorch caching-allocator fragmentation, a fraction of the tensors
 MFU = 0.35  # model FLOPs utilisation assumed for training and teacher scoring (bf16, Megatron-LM scale)
+# Measured here: the resident set of a process that imported torch, transformers, megatron-core and the
+# trainer, before any model (0.47 GB on this CPU; CUDA libraries add their own on a GPU node, not counted).
+HOST_RUNTIME_GB = 0.5
+LOCAL_ENGINE_ROWS = 64  # LocalEngine's max_batch_size: rows decoded together (the trainer keeps the default)
 
 
 @dataclass(frozen=True)
@@ -44,16 +56,47 @@ GPUS = {
 }
 
 
+def host_ram_gb() -> float:
+    """This machine's RAM as a process may use it: /proc/meminfo's MemTotal, or the cgroup's memory.max
+    when that is lower (a container's limit is what the OOM killer enforces)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total / GB
+
+
+def cpu_device(memory_gb: Optional[float] = None) -> GPU:
+    """The CPU as a plan's device: its memory is host RAM (`memory_gb`, else this machine's)."""
+    return GPU("cpu", memory_gb if memory_gb is not None else host_ram_gb(), 0.0, 0.0, 0.0)
+
+
 def gpu_from_name(name: str) -> GPU:
-    """A known GPU, or `<N>` / `<N>gb`: an H100-class GPU with N GB (memory only differs)."""
+    """A known GPU, `cpu` (this machine's RAM; `cpu:<N>` for N GB), or `<N>` / `<N>gb`: an H100-class GPU
+    with N GB (memory only differs)."""
     key = name.strip().lower()
     if key in GPUS:
         return GPUS[key]
+    if key == "cpu" or key.startswith("cpu:"):
+        if key == "cpu":
+            return cpu_device()
+        try:
+            gb = float(key[4:].removesuffix("gb"))
+        except ValueError:
+            raise ValueError(f"--gpu: {name!r}: expected cpu or cpu:<GB of RAM>") from None
+        if not 0.1 <= gb <= 100000:
+            raise ValueError(f"--gpu: {gb:g} GB is not a RAM size")
+        return cpu_device(gb)
     num = key[:-2] if key.endswith("gb") else key
     try:
         gb = float(num)
     except ValueError:
-        raise ValueError(f"--gpu: unknown GPU {name!r} (known: {', '.join(GPUS)}, or a size in GB such as 40)") from None
+        raise ValueError(f"--gpu: unknown GPU {name!r} (known: {', '.join(GPUS)}, cpu, or a size in GB such as 40)"
+                         ) from None
     if not 1 <= gb <= 2000:
         raise ValueError(f"--gpu: {gb:g} GB is not a GPU memory size")
     return replace(GPUS["h100-80gb"], name=f"{gb:g}gb", memory_gb=gb)
@@ -74,6 +117,7 @@ class Arch:
     vocab: int
     tied: bool
     qkv_bias: bool = False
+    ckpt_bytes: int = 2  # bytes per weight of the HF checkpoint on disk (config.json's torch_dtype; bf16 if unsaid)
 
     @property
     def layer_params(self) -> int:
@@ -127,7 +171,8 @@ def arch_from(path: Optional[str], what: str) -> Arch:
             return Arch(Path(path).name, int(c["num_hidden_layers"]), int(c["hidden_size"]), heads,
                         int(c.get("num_key_value_heads") or heads), int(c.get("head_dim") or c["hidden_size"] // heads),
                         int(c["intermediate_size"]), int(c["vocab_size"]), bool(c.get("tie_word_embeddings", False)),
-                        c.get("model_type") == "qwen2")
+                        c.get("model_type") == "qwen2",
+                        4 if str(c.get("torch_dtype") or c.get("dtype") or "") == "float32" else 2)
         except KeyError as e:
             raise ValueError(f"{what}: {cfg_file} has no {e.args[0]}") from None
         except (TypeError, ValueError) as e:
@@ -154,6 +199,12 @@ class Cluster:
     trainer: int
     rollout: int = 0
     teacher: int = 0
+    nodes: int = 1
+    host_ram_gb: Optional[float] = None  # per node; None: not judged (a GPU cluster's nodes are not this machine)
+    trainer_nodes: int = 1  # nodes the trainer ranks are spread over
+
+
+PHASES = ("startup", "rollout", "training", "save")
 
 
 @dataclass
@@ -161,19 +212,33 @@ class Component:
     name: str
     gb: float
     formula: str
+    phase: str = ""  # "": held throughout; one of PHASES: only while that phase runs
+    rank0: bool = False  # only rank 0 holds it (the local rollout engine, an HF teacher)
 
 
 @dataclass
 class RankPlan:
-    role: str  # "trainer rank", "rollout GPU", "teacher GPU"
+    role: str  # "trainer rank", "rollout GPU", "teacher GPU", "host RAM ..."
     components: list[Component] = field(default_factory=list)
+
+    def phase_gb(self, phase: str, rank0: bool = True) -> float:
+        return sum(c.gb for c in self.components if c.phase == phase and (rank0 or not c.rank0))
+
+    def peak(self, phases: tuple[str, ...] = PHASES, rank0: bool = True) -> tuple[float, str]:
+        """(GB, phase): what is held throughout plus the largest of `phases`' own parts (`rank0` False:
+        as a rank other than 0 holds it)."""
+        held = self.phase_gb("", rank0)
+        worst = max(phases, key=lambda ph: self.phase_gb(ph, rank0), default="")
+        extra = self.phase_gb(worst, rank0) if worst else 0.0
+        return held + extra, worst if extra > 0 else ""
 
     @property
     def total_gb(self) -> float:
-        return sum(c.gb for c in self.components)
+        return self.peak()[0]
 
-    def add(self, name: str, nbytes: float, formula: str) -> None:
-        self.components.append(Component(name, nbytes / GB, formula))
+    def add(self, name: str, nbytes: float, formula: str, phase: str = "", rank0: bool = False) -> None:
+        assert phase in ("", *PHASES), phase
+        self.components.append(Component(name, nbytes / GB, formula, phase, rank0))
 
 
 @dataclass
@@ -183,24 +248,31 @@ class Layout:
     dp: int
     recompute: Any
     sequence_parallel: bool
-    micro_tokens: int  # tokens per training micro-batch (prompt + response of its rows, or the token budget)
-    row: int  # tokens of the longest row (prompt + response)
+    micro_tokens: int  # tokens per training micro-batch (its rows x the longest row, or up to the token budget)
+    row: int  # the longest attended sequence: a row (prompt + response), or a packed sequence of the budget
     rows: int  # rows per micro-batch
     teacher_inline: bool  # a megatron teacher on the trainer ranks
 
 
 def _layout(cfg: Config, trainer_gpus: int) -> Layout:
+    """The training micro-batch at its worst: `micro_batch_size` rows of `max_prompt_tokens +
+    max_new_tokens`, or with a token budget as many rows as fit it, and never less than one whole row: a
+    row longer than `train.max_tokens_per_microbatch` is forwarded whole (`models.packing.budget_groups`)."""
     p, t = cfg.parallel, cfg.train
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if trainer_gpus % mp:
         raise ValueError(f"parallel: TP x PP = {mp} does not divide the {trainer_gpus} trainer GPUs")
     row = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     dp = trainer_gpus // mp
-    rows = rows_per_micro(cfg, dp)
-    micro = min(t.max_tokens_per_microbatch, rows * row) if t.max_tokens_per_microbatch else rows * row
-    rows = max(1, micro // row) if t.max_tokens_per_microbatch else rows
+    if t.max_tokens_per_microbatch:
+        micro = max(min(t.max_tokens_per_microbatch, minibatch_rows(cfg, dp) * row), row)
+        rows = max(1, micro // row)
+        attended = micro if t.pack_sequences else row
+    else:
+        rows = rows_per_micro(cfg, dp)
+        micro, attended = rows * row, row
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, dp,
-                  cfg.model.recompute_activations, p.sequence_parallel, micro, min(row, micro), rows,
+                  cfg.model.recompute_activations, p.sequence_parallel, micro, attended, rows,
                   cfg.teacher.backend == "megatron")
 
 
@@ -243,26 +315,31 @@ def _layer_acts(a: Arch, tokens: int, row: int, lay: Layout, e: int, flash: bool
     return dense + attn
 
 
-def rows_per_micro(cfg: Config, dp: int) -> int:
-    """Rows in a training micro-batch: micro_batch_size, at most a rank's share of a minibatch (rollouts
-    plus golden rows)."""
+def minibatch_rows(cfg: Config, dp: int) -> int:
+    """Rows of one data-parallel rank's share of a minibatch (rollouts plus golden rows)."""
     n_prompts = cfg.train.prompts_per_step
     n_roll = n_prompts * cfg.rollout.n_samples_per_prompt if cfg.algo.mixture_ratio < 1 else 0
     gold = golden_count(n_roll, cfg.algo.mixture_ratio, n_prompts, parts=dp * max(1, cfg.algo.num_minibatches))
-    share = math.ceil((n_roll + gold) / dp / max(1, cfg.algo.num_minibatches))
-    return max(1, min(cfg.train.micro_batch_size, share))
+    return max(1, math.ceil((n_roll + gold) / dp / max(1, cfg.algo.num_minibatches)))
+
+
+def rows_per_micro(cfg: Config, dp: int) -> int:
+    """Rows in a training micro-batch: micro_batch_size, at most a rank's share of a minibatch."""
+    return max(1, min(cfg.train.micro_batch_size, minibatch_rows(cfg, dp)))
 
 
 def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch], gpu: Optional[GPU],
                  stage: str) -> RankPlan:
-    """The memory of one trainer rank of pipeline stage `stage` ("only", "first", "last"). `gpu` None: the
-    CPU (fp32 by default, the local spec's unfused attention, the in-process rollout engine, no CUDA
-    context or caching allocator)."""
+    """The memory of one trainer rank of pipeline stage `stage` ("only", "first", "last"); the parts only
+    rank 0 holds (the local rollout engine, an HF teacher) are marked `rank0` and counted here. `gpu` None:
+    the CPU (fp32 by default, the local spec's unfused attention, no CUDA context or caching allocator;
+    host RAM is the device, so the HF checkpoints read at start and a save's gather are phases here)."""
     on_gpu = gpu is not None
     role = "trainer rank" + ("" if stage == "only" else f" ({stage} stage)")
     tr = RankPlan(role)
     e = dtype_bytes(cfg.model.params_dtype, on_gpu)
     ref_dtype = cfg.model.ref_params_dtype if cfg.model.ref_params_dtype != "same" else cfg.model.params_dtype
+    ref_e = dtype_bytes(ref_dtype, on_gpu)
     flash = on_gpu and cfg.model.layer_spec != "local"
     P = stage_params(student, lay.tp, lay.pp, stage)
     tr.add("student weights", P * e, f"{P / 1e9:.3g}B params/rank x {e} B")
@@ -272,62 +349,184 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
     tr.add("optimizer (fp32 main + Adam)" if e < 4 else "optimizer (Adam)", P * opt / dp_shard,
            f"{opt} B/param / DP {dp_shard}" + (" (distributed optimizer)" if dp_shard > 1 else ""))
     act, how = activation_bytes(student, lay.micro_tokens, lay.row, lay, e, flash, in_flight=stage != "last")
-    tr.add("activations", act, f"{lay.micro_tokens} tokens/micro-batch; {how}")
+    tr.add("activations", act, f"{lay.micro_tokens} tokens/micro-batch; {how}", "training")
     beta = cfg.algo.beta_kl
+    full_kl = beta > 0 and cfg.algo.kl_estimator == "full"
+    if full_kl and lay.pp > 1:
+        wire = max(1, ref_e // e)
+        sp = lay.tp if lay.sequence_parallel else 1
+        n_buf = min(lay.pp, 8) if stage == "first" else 1
+        tr.add("reference hidden states (in the student's pipeline)",
+               n_buf * wire * lay.micro_tokens * student.hidden * e / sp,
+               f"{n_buf} micro-batch(es) x {wire}·s·h·e/{'TP' if sp > 1 else '1'}: the reference runs inside the "
+               "student's 1F1B schedule, its stage outputs sent beside the student's", "training")
     if stage in ("only", "last"):
         n_resp = min(lay.micro_tokens, lay.rows * cfg.rollout.max_new_tokens)
         v = student.vocab / lay.tp
-        full_kl = beta > 0 and cfg.algo.kl_estimator == "full"
-        copies = 3 if full_kl else 2
         chunk = min(cfg.algo.kl_chunk_size, n_resp)
-        tr.add("logits (response rows)", copies * n_resp * v * e + (3 if full_kl else 1) * chunk * v * 4,
-               f"{copies}·n·V/TP·e + fp32 chunk scratch (n = {n_resp} response tokens)")
+        scratch = (3 if full_kl else 1) * chunk * v * 4
+        if full_kl and cfg.rollout.temperature != 1.0:
+            tr.add("logits (response rows)", n_resp * v * (2 * e + 12) + scratch,
+                   f"n·V/TP·(2·e + 3·4): the student's rows + gradient, their fp32 copy / T + its gradient and "
+                   f"the reference's rows, fp32 at temperature {cfg.rollout.temperature:g} + fp32 chunk scratch "
+                   f"(n = {n_resp} response tokens)", "training")
+        else:
+            copies = 3 if full_kl else 2
+            tr.add("logits (response rows)", copies * n_resp * v * e + scratch,
+                   f"{copies}·n·V/TP·e + fp32 chunk scratch (n = {n_resp} response tokens)", "training")
     if beta > 0:
-        tr.add("reference weights", P * dtype_bytes(ref_dtype, on_gpu), "frozen copy of the student (reference KL)")
+        tr.add("reference weights", P * ref_e, "frozen copy of the student (reference KL)")
+    t = cfg.teacher
     if lay.teacher_inline and teacher is not None:
-        t = cfg.teacher
         tp_t, pp_t = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
         st = stage if (tp_t, pp_t) == (lay.tp, lay.pp) else ("only" if pp_t == 1 else "first")
         Pt = stage_params(teacher, tp_t, pp_t, st)
         tr.add("teacher weights (in-process)", Pt * dtype_bytes(t.params_dtype, on_gpu),
                f"teacher TP{tp_t} x PP{pp_t} on the trainer ranks")
-    if not on_gpu and cfg.rollout.backend == "local" and stage in ("only", "first"):
-        if lay.tp * lay.pp == 1:
-            qkv = student.layers * student.hidden * (student.heads + 2 * student.kv_heads) * student.head_dim
-            tr.add("rollout engine (local, shares the weights)", qkv * e,
-                   "rank 0: its own q/k/v (megatron stores them fused)")
-        else:
-            tr.add("rollout engine (local, own copy)", student.params * e, "rank 0: the whole student, gathered")
+    if t.backend == "hf" and teacher is not None and stage in ("only", "first"):
+        tr.add("teacher (HF, rank 0)", teacher.params * dtype_bytes(t.params_dtype, on_gpu),
+               "rank 0: the whole teacher as an HF model", rank0=True)
+    if cfg.rollout.backend == "local" and stage in ("only", "first"):
+        _local_engine(tr, cfg, lay, student, e, on_gpu)
     if on_gpu and cfg.rollout.colocate and cfg.rollout.backend == "sglang":
         tr.add("rollout engine (colocated SGLang)", cfg.rollout.mem_fraction_static * gpu.memory_gb * GB,
-               "rollout.mem_fraction_static x GPU memory")
+               "rollout.mem_fraction_static x GPU memory", rank0=True)
+    if cfg.optim.use_distributed_optimizer:
+        if on_gpu:
+            tr.add("checkpoint save: optimizer gather buffers", 4 * P * (2 + 1 / lay.dp),
+                   "fully_reshardable save: each fp32 state all-gathered over DP on the GPU, one at a time: the "
+                   "received parts (4·P), the collective's flat buffer (4·P) and its own shard (4·P/DP)", "save")
+        else:
+            tr.add("checkpoint save: optimizer state gathered", save_host_bytes(P, lay.dp, gather_in_host=True),
+                   SAVE_HOW + "; on the CPU the all-gather's flat buffer too (4·P)", "save")
+    if not on_gpu:
+        tr.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher), STARTUP_HOW,
+               "startup")
     if on_gpu:
-        tensors = tr.total_gb * GB
-        tr.add("allocator slack", ALLOCATOR_SLACK * tensors, f"{ALLOCATOR_SLACK:.0%} of the above")
+        tensors, _ = tr.peak()
+        tr.add("allocator slack", ALLOCATOR_SLACK * tensors * GB, f"{ALLOCATOR_SLACK:.0%} of the peak above")
         tr.add("CUDA context + NCCL", (CUDA_CONTEXT_GB + NCCL_GB) * GB, "stated constants")
     return tr
 
 
+SAVE_HOW = ("fully_reshardable save without its memory-efficient flag: every rank all-gathers the "
+            "DP-sharded fp32 main weights and Adam moments into host RAM (3·4·P) plus one state's gather "
+            "and concatenation in flight (2·4·P) and its own shards (3·4·P/DP)")
+STARTUP_HOW = "every rank reads the student's HF checkpoint (and an in-process megatron teacher's) whole"
+
+
+def save_host_bytes(P: float, dp: int, gather_in_host: bool = False) -> float:
+    """Host bytes of one rank during a checkpoint save with the distributed optimizer (megatron-core's
+    `get_parameter_state_dp_zero(return_on_all_ranks=True)`, what `fully_reshardable` without
+    `distrib_optim_fully_reshardable_mem_efficient` runs): the world tensors of param, exp_avg and
+    exp_avg_sq (fp32, every parameter of this rank's TP/PP shard), this rank's three DP shards, and for the
+    state being gathered its received parts and their concatenation; `gather_in_host` (gloo, the CPU)
+    also the flat buffer torch's all_gather of a list receives into. Measured on the CPU at DP1: 36.0 B per
+    parameter against 36 here (tests/test_plan.py)."""
+    return 12 * P + 12 * P / dp + 8 * P + (4 * P if gather_in_host else 0)
+
+
+def startup_host_bytes(cfg: Config, student: Arch, teacher: Optional[Arch]) -> float:
+    """Host bytes of the HF checkpoints a trainer rank reads whole while it builds its models: the
+    student's, and an in-process megatron teacher's (read while the student's is still held)."""
+    n = student.params * student.ckpt_bytes
+    if cfg.teacher.backend == "megatron" and teacher is not None:
+        n += teacher.params * teacher.ckpt_bytes
+    return n
+
+
+def _local_engine(tr: RankPlan, cfg: Config, lay: Layout, a: Arch, e: int, on_gpu: bool) -> None:
+    """The in-process rollout engine (`rollout.backend=local`, rank 0, on the GPU when there is one): its
+    weights in `rollout.dtype`, shared with a TP=PP=1 student of that dtype except q/k/v (megatron stores
+    them fused) unless `rollout.overlap`; and, while it decodes, the KV cache of up to LOCAL_ENGINE_ROWS rows
+    at the full context."""
+    r = cfg.rollout
+    eng_e = e if r.dtype == "auto" else dtype_bytes(r.dtype, on_gpu)
+    if lay.tp * lay.pp == 1 and not r.overlap and eng_e == e:
+        qkv = a.layers * a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim
+        tr.add("rollout engine (local, shares the weights)", qkv * eng_e,
+               "rank 0: its own q/k/v (megatron stores them fused)", rank0=True)
+    else:
+        why = "TP x PP > 1" if lay.tp * lay.pp > 1 else "rollout.overlap" if r.overlap else "rollout.dtype differs"
+        tr.add("rollout engine (local, own copy)", a.params * eng_e,
+               f"rank 0: the whole student in {eng_e} B ({why})", rank0=True)
+    n_roll = cfg.train.prompts_per_step * r.n_samples_per_prompt if cfg.algo.mixture_ratio < 1 else 0
+    rows = min(LOCAL_ENGINE_ROWS, n_roll)
+    ctx = cfg.data.max_prompt_tokens + r.max_new_tokens
+    kv = 2 * a.layers * a.kv_heads * a.head_dim * eng_e
+    if rows:
+        tr.add("rollout engine KV cache", rows * ctx * kv,
+               f"rank 0: {rows} rows x {ctx} tokens x {kv} B (2·layers·kv_heads·head_dim·e)", "rollout", rank0=True)
+
+
 def plan_run(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional[Arch], device: str = "cuda") -> dict[str, Any]:
-    """The per-rank memory tables, the verdict and the time estimate of `cfg` on `cluster` (`device` "cpu":
-    the trainer ranks as they run on a CPU, for `benchmarks/bench_plan.py`)."""
+    """The per-rank memory tables, the host RAM table, the verdicts and the time estimate of `cfg` on
+    `cluster` (`device` "cpu", or a cluster of `cpu_device()`: the trainer ranks as they run on a CPU, all
+    in host RAM, judged together against it)."""
     gpu = cluster.gpu
+    cpu = device == "cpu" or gpu.name == "cpu"
     lay = _layout(cfg, cluster.trainer)
     stages = ["only"] if lay.pp == 1 else ["first", "last"]
-    ranks = [trainer_rank(cfg, lay, student, teacher, gpu if device != "cpu" else None, st) for st in stages]
-    if cluster.rollout and cfg.rollout.backend == "sglang" and not cfg.rollout.colocate:
+    ranks = [trainer_rank(cfg, lay, student, teacher, None if cpu else gpu, st) for st in stages]
+    if not cpu and cluster.rollout and cfg.rollout.backend == "sglang" and not cfg.rollout.colocate:
         ranks.append(_server("rollout GPU", student, cluster.rollout, cfg.rollout.mem_fraction_static, gpu))
-    if cluster.teacher and teacher is not None and cfg.teacher.backend == "sglang":
+    if not cpu and cluster.teacher and teacher is not None and cfg.teacher.backend == "sglang":
         tp_t = cfg.teacher.tensor_model_parallel_size * cfg.teacher.pipeline_model_parallel_size
         ranks.append(_server("teacher GPU", teacher, tp_t,
                              float(cfg.teacher.sglang_args.get("mem_fraction_static", 0.85)), gpu))
-    verdicts = [_verdict(r, gpu) for r in ranks]
-    return {"gpu": asdict(gpu), "layout": asdict(lay), "student": asdict(student),
-            "teacher": asdict(teacher) if teacher else None,
-            "ranks": [{"role": r.role, "total_gb": r.total_gb, "components": [asdict(c) for c in r.components]}
-                      for r in ranks],
-            "verdicts": verdicts, "fits": all(v["fits"] for v in verdicts),
-            "time": estimate_time(cfg, cluster, student, teacher, lay)}
+    host, per_node = host_plan(cfg, cluster, lay, student, teacher, ranks, cpu)
+    if cpu:
+        verdicts = [_verdict(per_node, gpu.memory_gb)]
+    else:
+        verdicts = [_verdict(r, gpu.memory_gb) for r in ranks]
+        if cluster.host_ram_gb:
+            verdicts.append(_verdict(per_node, cluster.host_ram_gb))
+    out = {"gpu": asdict(gpu), "device": "cpu" if cpu else "cuda", "layout": asdict(lay), "student": asdict(student),
+           "teacher": asdict(teacher) if teacher else None,
+           "ranks": [_rank_json(r) for r in ranks], "host": [_rank_json(r) for r in (host, per_node) if r is not None],
+           "verdicts": verdicts, "fits": all(v["fits"] for v in verdicts),
+           "time": None if cpu else estimate_time(cfg, cluster, student, teacher, lay)}
+    return out
+
+
+def _rank_json(r: RankPlan) -> dict[str, Any]:
+    total, phase = r.peak()
+    return {"role": r.role, "total_gb": total, "peak_phase": phase, "components": [asdict(c) for c in r.components]}
+
+
+def host_plan(cfg: Config, cluster: Cluster, lay: Layout, student: Arch, teacher: Optional[Arch],
+              ranks: list[RankPlan], cpu: bool) -> tuple[Optional[RankPlan], RankPlan]:
+    """(one trainer rank's host RAM, a node's). On GPUs a rank's host RAM is its runtime, the HF
+    checkpoints it reads at start and a save's gathered optimizer state (the phases never overlap); on the
+    CPU everything of a rank is host RAM (its plan is the rank table: no table of its own). A node holds
+    its share of the trainer ranks (rank 0 with the local engine)."""
+    per_node = max(1, math.ceil(cluster.trainer / max(1, cluster.trainer_nodes)))
+    trainers = [r for r in ranks if r.role.startswith("trainer")]
+    host = None
+    if not cpu:
+        host = RankPlan("host RAM per trainer rank")
+        P = max(stage_params(student, lay.tp, lay.pp, st) for st in (["only"] if lay.pp == 1 else ["first", "last"]))
+        host.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher), STARTUP_HOW,
+                 "startup")
+        if cfg.optim.use_distributed_optimizer:
+            host.add("checkpoint save: optimizer state gathered", save_host_bytes(P, lay.dp), SAVE_HOW, "save")
+        host.add("process runtime", HOST_RUNTIME_GB * GB, "python + torch + transformers + megatron-core (measured, CPU)")
+    node = RankPlan(f"host RAM per node ({per_node} trainer rank{'s' if per_node > 1 else ''}"
+                    + (", this machine)" if cpu and cluster.host_ram_gb is None else ")"))
+    # rank 0 and the others, by stage: ranks are laid out TP first, then DP, PP last (megatron's order)
+    stage_of = (lambda k: trainers[0]) if len(trainers) == 1 else (
+        lambda k: trainers[0] if k < cluster.trainer // lay.pp * (lay.pp - 1) or lay.pp == 1 else trainers[-1])
+    counts: dict[tuple[str, bool], int] = {}
+    for k in range(per_node):
+        r = stage_of(k)
+        counts[(r.role, k == 0)] = counts.get((r.role, k == 0), 0) + 1
+    for (role, is0), n in counts.items():
+        r = next(t for t in trainers if t.role == role)
+        gb = r.peak(rank0=is0)[0] if cpu else host.peak()[0] - HOST_RUNTIME_GB
+        node.add(("rank 0: " if is0 else f"{n} other rank{'s' if n > 1 else ''}: ") + role, n * gb * GB,
+                 f"{n} x {gb:.2f} GB ({'its peak' if cpu else 'the host table above'})")
+    node.add("process runtime", per_node * HOST_RUNTIME_GB * GB, f"{per_node} x {HOST_RUNTIME_GB} GB")
+    return host, node
 
 
 def _server(role: str, a: Arch, tp: int, fraction: float, gpu: GPU) -> RankPlan:
@@ -345,13 +544,15 @@ def _server(role: str, a: Arch, tp: int, fraction: float, gpu: GPU) -> RankPlan:
     return r
 
 
-def _verdict(r: RankPlan, gpu: GPU) -> dict[str, Any]:
-    over = r.total_gb - gpu.memory_gb
+def _verdict(r: RankPlan, memory_gb: float) -> dict[str, Any]:
+    total, phase = r.peak()
+    when = f", at its {phase} peak" if phase else ""
+    over = total - memory_gb
     if over <= 0:
-        return {"role": r.role, "fits": True, "text": f"fits ({r.total_gb:.1f} of {gpu.memory_gb:g} GB)"}
-    worst = max(r.components, key=lambda c: c.gb)
+        return {"role": r.role, "fits": True, "text": f"fits ({total:.1f} of {memory_gb:.4g} GB{when})"}
+    worst = max((c for c in r.components if c.phase in ("", phase)), key=lambda c: c.gb)
     return {"role": r.role, "fits": False, "over_gb": over,
-            "text": f"does not fit by {over:.1f} GB ({worst.name}: {worst.gb:.1f} GB)"}
+            "text": f"does not fit by {over:.1f} GB ({worst.name}: {worst.gb:.1f} GB{when})"}
 
 
 def estimate_time(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional[Arch], lay: Layout) -> dict[str, Any]:
@@ -368,9 +569,16 @@ def estimate_time(cfg: Config, cluster: Cluster, student: Arch, teacher: Optiona
     kv_avg = student.kv_bytes_per_token * ctx / 2
     decode_s = resp * (w_bytes + n_seq * kv_avg) / (rollout_gpus * gpu.hbm_gbps * GB)
     peak = gpu.bf16_tflops * 1e12 * MFU
-    train_flops = 3 * student.flops_per_token(ctx // 2) * tokens * cfg.algo.ppo_epochs
-    if cfg.algo.beta_kl > 0:
-        train_flops += student.flops_per_token(ctx // 2) * tokens * cfg.algo.ppo_epochs
+    algo = cfg.algo
+    fwd = student.flops_per_token(ctx // 2) * tokens
+    forwards = {"forward + backward": 3.0 * algo.ppo_epochs}
+    if cfg.model.recompute_activations in (True, "full"):
+        forwards["full recompute"] = 1.0 * algo.ppo_epochs  # backward reruns every layer's forward
+    if separate_old_logp(cfg):
+        forwards["pi_old scoring"] = 1.0
+    if algo.beta_kl > 0:  # the full KL reruns the reference in every epoch; the others score it once
+        forwards["reference"] = float(algo.ppo_epochs) if algo.kl_estimator == "full" else 1.0
+    train_flops = fwd * sum(forwards.values())
     train_s = train_flops / (cluster.trainer * peak)
     score_s = 0.0
     if teacher is not None:
@@ -381,15 +589,29 @@ def estimate_time(cfg: Config, cluster: Cluster, student: Arch, teacher: Optiona
     return {"rollout_s": decode_s, "teacher_score_s": score_s, "train_s": train_s, "weight_sync_s": sync_s,
             "step_s": step, "tokens_per_step": tokens, "tokens_per_s_per_gpu":
                 tokens / step / (cluster.trainer + cluster.rollout + cluster.teacher),
+            "train_forwards": forwards,
             "assumptions": f"decode memory-bound at {gpu.hbm_gbps:g} GB/s (weights + half-context KV per token); "
-                           f"scoring and training at MFU {MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s; "
+                           f"scoring and training at MFU {MFU:.0%} of {gpu.bf16_tflops:g} TFLOP/s, training = "
+                           + " + ".join(f"{v:g} {k}" for k, v in forwards.items()) + " forward-equivalents; "
                            f"sync at {gpu.link_gbps:g} GB/s; responses at the full budget"}
+
+
+def separate_old_logp(cfg: Config) -> bool:
+    """Whether a step scores pi_old in a forward of its own (`Learner.reuse_old_logp`): not off-policy
+    (rollout.overlap takes the engine's log-probs), and not one update per step with reuse on, no
+    adv_normalize (dropout, which the plan does not know, also forces it)."""
+    a = cfg.algo
+    if cfg.rollout.overlap:
+        return False
+    return not (cfg.train.reuse_old_logp and a.ppo_epochs == 1 and a.num_minibatches == 1 and not a.adv_normalize)
 
 
 def alternatives(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional[Arch], limit: int = 5) -> list[str]:
     """Layouts of the same GPUs that fit when this one does not: TP (dividing heads and KV heads, within a
     node of 8) x PP (dividing layers), with and without full recompute, a megatron teacher moved to SGLang
     servers; fewest model-parallel GPUs first, then no recompute."""
+    if cluster.gpu.name == "cpu":
+        return cpu_alternatives(cfg, cluster, student, teacher)
     out: list[str] = []
     found: list[tuple[int, int, str]] = []
     for tp in (1, 2, 4, 8):
@@ -412,6 +634,42 @@ def alternatives(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional
     return out
 
 
+def cpu_alternatives(cfg: Config, cluster: Cluster, student: Arch, teacher: Optional[Arch]) -> list[str]:
+    """Settings of the same CPU run that fit its RAM: full recompute, half the rows or tokens per
+    micro-batch, a bf16 reference beside an fp32 student, no distributed optimizer (its save gathers the
+    optimizer state into RAM); each alone, then all together."""
+    t, m = cfg.train, cfg.model
+    knobs: list[tuple[str, Any]] = []
+    if m.recompute_activations not in (True, "full"):
+        knobs.append(("model.recompute_activations=full",
+                      lambda c: replace(c, model=replace(c.model, recompute_activations="full"))))
+    if t.max_tokens_per_microbatch:
+        half = max(1, t.max_tokens_per_microbatch // 2)
+        knobs.append((f"train.max_tokens_per_microbatch={half}",
+                      lambda c: replace(c, train=replace(c.train, max_tokens_per_microbatch=half))))
+    elif t.micro_batch_size > 1:
+        half = max(1, t.micro_batch_size // 2)
+        knobs.append((f"train.micro_batch_size={half}", lambda c: replace(c, train=replace(c.train, micro_batch_size=half))))
+    if cfg.algo.beta_kl > 0 and dtype_bytes(m.params_dtype, False) == 4 and m.ref_params_dtype in ("same", "auto"):
+        knobs.append(("model.ref_params_dtype=bfloat16",
+                      lambda c: replace(c, model=replace(c.model, ref_params_dtype="bfloat16"))))
+    if cfg.optim.use_distributed_optimizer:  # no save-time gather into host RAM (unsharded over DP, if DP > 1)
+        knobs.append(("optim.use_distributed_optimizer=false",
+                      lambda c: replace(c, optim=replace(c.optim, use_distributed_optimizer=False))))
+    tries = [(name, [f]) for name, f in knobs]
+    if len(knobs) > 1:
+        tries.append((" ".join(name for name, _ in knobs), [f for _, f in knobs]))
+    out = []
+    for name, fns in tries:
+        c = cfg
+        for f in fns:
+            c = f(c)
+        p = plan_run(c, cluster, student, teacher)
+        if p["fits"]:
+            out.append(f"{name} (host RAM {p['host'][-1]['total_gb']:.1f} GB)")
+    return out
+
+
 def _with(cfg: Config, tp: int, pp: int, recompute: Any) -> Config:
     return replace(cfg, parallel=replace(cfg.parallel, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                          sequence_parallel=tp > 1),
@@ -425,24 +683,48 @@ ANCHORS = [
 ]
 
 
+def _table(r: dict[str, Any]) -> list[str]:
+    lines = ["", f"| {r['role']} | phase | GB | how |", "|---|---|---|---|"]
+    summed = r["role"].startswith("host RAM per node")  # each line a rank's own peak
+    lines += [f"| {c['name']} | {c['phase'] or ('its peak' if summed else 'always')} | {c['gb']:.2f} | {c['formula']} |"
+              for c in r["components"]]
+    phases = sorted({c["phase"] for c in r["components"] if c["phase"]})
+    how = (f"always + {r['peak_phase']}, the largest of {', '.join(phases)}" if r["peak_phase"]
+           else "always" if phases else "")
+    lines.append(f"| **peak** | | **{r['total_gb']:.2f}** | {how} |")
+    return lines
+
+
 def format_plan(p: dict[str, Any], alts: list[str]) -> str:
-    lines = [f"GPU {p['gpu']['name']} ({p['gpu']['memory_gb']:g} GB); student {p['student']['name']} "
-             f"TP{p['layout']['tp']} x PP{p['layout']['pp']} x DP{p['layout']['dp']}, "
-             f"{p['layout']['micro_tokens']} tokens per micro-batch"]
+    lay = p["layout"]
+    if p["device"] == "cpu":
+        where = f"CPU ({p['gpu']['memory_gb']:.1f} GB of host RAM)"
+    else:
+        where = f"GPU {p['gpu']['name']} ({p['gpu']['memory_gb']:g} GB)"
+    cl = p.get("cluster")
+    nodes = f"{cl['nodes']} node(s){' (' + cl['nodes_from'] + ')' if cl.get('nodes_from') else ''}; " if cl else ""
+    lines = [f"{where}; {nodes}student {p['student']['name']} TP{lay['tp']} x PP{lay['pp']} x DP{lay['dp']}, "
+             f"{lay['micro_tokens']} tokens per micro-batch"]
     for r in p["ranks"]:
-        lines += ["", f"| {r['role']} | GB | how |", "|---|---|---|"]
-        lines += [f"| {c['name']} | {c['gb']:.2f} | {c['formula']} |" for c in r["components"]]
-        lines.append(f"| **total** | **{r['total_gb']:.2f}** | |")
+        lines += _table(r)
+    for r in p["host"]:
+        lines += _table(r)
     lines.append("")
     for v in p["verdicts"]:
         lines.append(f"{v['role']}: {v['text']}")
     t = p["time"]
-    lines += ["", f"step time (estimate): {t['step_s']:.0f} s = rollout {t['rollout_s']:.0f} + teacher scoring "
-                  f"{t['teacher_score_s']:.0f} + training {t['train_s']:.0f} + weight sync {t['weight_sync_s']:.1f}; "
-                  f"{t['tokens_per_s_per_gpu']:.0f} tokens/s/GPU ({t['assumptions']})"]
-    lines += [f"  for scale (published, not this run): {name}: {v:.0f} tokens/s/GPU" for name, v in ANCHORS]
+    if t is None:
+        lines += ["", "step time: not estimated on a CPU (benchmarks/bench_step.py measures it)"]
+    else:
+        lines += ["", f"step time (estimate): {t['step_s']:.0f} s = rollout {t['rollout_s']:.0f} + teacher scoring "
+                      f"{t['teacher_score_s']:.0f} + training {t['train_s']:.0f} + weight sync {t['weight_sync_s']:.1f}; "
+                      f"{t['tokens_per_s_per_gpu']:.0f} tokens/s/GPU ({t['assumptions']})"]
+        lines += [f"  for scale (published, not this run): {name}: {v:.0f} tokens/s/GPU" for name, v in ANCHORS]
     if not p["fits"]:
-        lines += ["", "layouts that fit:" if alts else "no layout of these GPUs fits; add GPUs or a larger GPU"]
+        if p["device"] == "cpu":
+            lines += ["", "settings that fit:" if alts else "no single setting tried fits; more RAM, or a smaller model"]
+        else:
+            lines += ["", "layouts that fit:" if alts else "no layout of these GPUs fits; add GPUs or a larger GPU"]
         lines += [f"  - {a}" for a in alts]
     return "\n".join(lines)
 
@@ -457,9 +739,16 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="trainer YAML (examples/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--gpu", default="h100-80gb", help=f"{', '.join(GPUS)} or a memory size in GB (e.g. 40)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="default: the #SBATCH --nodes of the launcher the config names ('Launch: scripts/slurm/"
+                         "X.sbatch'), else 1")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="default 8; with --gpu cpu the trainer processes per node, default TP x PP")
+    ap.add_argument("--gpu", default="h100-80gb",
+                    help=f"{', '.join(GPUS)}, a memory size in GB (e.g. 40), or cpu (this machine's RAM; cpu:<GB>)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cpu: the same as --gpu cpu")
+    ap.add_argument("--host-ram-gb", type=float, default=None,
+                    help="RAM per node: judge the host RAM table against it (with --gpu cpu: instead of this machine's)")
     ap.add_argument("--rollout-gpus", type=int, default=None,
                     help="GPUs of the SGLang rollout server (one replica, TP = this); default: the launchers' split")
     ap.add_argument("--teacher-gpus", type=int, default=None,
@@ -469,8 +758,26 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     try:
         cfg = load_config(a.config, a.overrides)
-        gpu = gpu_from_name(a.gpu)
-        cluster = default_cluster(cfg, gpu, a.nodes, a.gpus_per_node, a.rollout_gpus, a.teacher_gpus)
+        gpu_name = "cpu" if a.device == "cpu" and not a.gpu.lower().startswith("cpu") else a.gpu
+        gpu = gpu_from_name(gpu_name)
+        if gpu.name == "cpu" and a.host_ram_gb is not None:
+            gpu = cpu_device(a.host_ram_gb)
+        nodes, nodes_from = a.nodes, ""
+        if nodes is None:
+            found = launcher_nodes(a.config) if gpu.name != "cpu" else None
+            nodes, nodes_from = found if found else (1, "")
+        per_node = a.gpus_per_node or (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+                                       if gpu.name == "cpu" else 8)
+        try:
+            cluster = default_cluster(cfg, gpu, nodes, per_node, a.rollout_gpus, a.teacher_gpus)
+        except ValueError as e:
+            need = None if a.nodes is not None else min_nodes(cfg, gpu, per_node, a.rollout_gpus, a.teacher_gpus)
+            if need is None:
+                raise
+            raise ValueError(f"{e} on {nodes} node(s) of {per_node} GPUs; the launchers' split needs "
+                             f"{need}: pass --nodes {need}") from None
+        if a.host_ram_gb is not None and gpu.name != "cpu":
+            cluster.host_ram_gb = a.host_ram_gb
         student = arch_from(cfg.model.hf_path, "model.hf_path")
         teacher = arch_from(cfg.teacher.hf_path, "teacher.hf_path") if cfg.teacher.hf_path else None
         p = plan_run(cfg, cluster, student, teacher)
@@ -478,8 +785,8 @@ def main(argv: list[str]) -> int:
         print(f"plan: {e}", file=sys.stderr)
         return 2
     alts = alternatives(cfg, cluster, student, teacher) if not p["fits"] else []
-    p["cluster"] = {"gpu": gpu.name, "trainer_gpus": cluster.trainer, "rollout_gpus": cluster.rollout,
-                    "teacher_gpus": cluster.teacher}
+    p["cluster"] = {"gpu": gpu.name, "nodes": nodes, "nodes_from": nodes_from, "trainer_gpus": cluster.trainer,
+                    "rollout_gpus": cluster.rollout, "teacher_gpus": cluster.teacher}
     p["alternatives"] = alts
     if a.json == "-":
         print(json.dumps(p, indent=1))
@@ -494,14 +801,48 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def launcher_nodes(config_path: str) -> Optional[tuple[int, str]]:
+    """(nodes, where from) of the sbatch script a config names in a `Launch: scripts/slurm/X.sbatch` comment
+    (the examples do): its `#SBATCH --nodes`. Looked up beside the config's directory and from here."""
+    try:
+        text = Path(config_path).read_text()
+    except OSError:
+        return None
+    m = re.search(r"Launch:\s*(\S+\.sbatch)", text)
+    if not m:
+        return None
+    for base in (Path(config_path).resolve().parent.parent, Path.cwd()):
+        script = base / m.group(1)
+        if script.is_file():
+            n = re.search(r"^#SBATCH\s+--nodes[= ](\d+)", script.read_text(), re.M)
+            if n:
+                return int(n.group(1)), f"{m.group(1)}'s #SBATCH --nodes"
+    return None
+
+
+def min_nodes(cfg: Config, gpu: GPU, per_node: int, rollout: Optional[int], teacher: Optional[int],
+              limit: int = 64) -> Optional[int]:
+    """The fewest nodes of `per_node` GPUs the launchers' split can place this config on."""
+    for n in range(1, limit + 1):
+        try:
+            default_cluster(cfg, gpu, n, per_node, rollout, teacher)
+            return n
+        except ValueError:
+            continue
+    return None
+
+
 def default_cluster(cfg: Config, gpu: GPU, nodes: int, per_node: int, rollout: Optional[int],
                     teacher: Optional[int]) -> Cluster:
     """Trainer / rollout / teacher GPUs: as given, else as the launchers split them (scripts/slurm): on one
     node a quarter each to the rollout and teacher servers; on two, half a node each; on more, a node each
-    (the 70B teacher: two)."""
+    (the 70B teacher: two). On two nodes or fewer the trainer ranks spread over all of them, on more they
+    have nodes of their own. A CPU plan has no servers (the local engine and an in-process teacher)."""
     if nodes < 1 or per_node < 1:
         raise ValueError("--nodes and --gpus-per-node must be >= 1")
     total = nodes * per_node
+    if gpu.name == "cpu":
+        return Cluster(gpu, total, 0, 0, nodes, gpu.memory_gb, nodes)
     servers_r = cfg.rollout.backend == "sglang" and not cfg.rollout.colocate
     servers_t = cfg.teacher.backend == "sglang"
     if rollout is None:
@@ -518,4 +859,41 @@ def default_cluster(cfg: Config, gpu: GPU, nodes: int, per_node: int, rollout: O
     t_size = cfg.teacher.tensor_model_parallel_size * cfg.teacher.pipeline_model_parallel_size
     if servers_t and teacher % t_size:
         raise ValueError(f"--teacher-gpus {teacher} is not a multiple of the teacher's TP x PP = {t_size}")
-    return Cluster(gpu, trainer, rollout, teacher)
+    trainer_nodes = nodes if nodes <= 2 else max(1, math.ceil(trainer / per_node))
+    return Cluster(gpu, trainer, rollout, teacher, nodes, None, trainer_nodes)
+
+
+def fit_warning(cfg: Config, world: Optional[int] = None, local: Optional[int] = None,
+                memory_gb: Optional[float] = None) -> Optional[str]:
+    """One line for `megatron-opd train` to print at start when the plan says this run cannot fit this
+    machine: a trainer rank over the GPU's memory (CUDA), or the ranks on this machine over its RAM (CPU),
+    before the OOM killer says it hours later. None when it fits or cannot be planned (a model whose
+    config.json is not here, a layout the plan does not know): the warning is advice, never an error.
+    `world` / `local`: the trainer ranks in all and on this machine (default WORLD_SIZE /
+    LOCAL_WORLD_SIZE); `memory_gb`: instead of this machine's GPU memory or RAM."""
+    try:
+        import torch
+
+        world = world or int(os.environ.get("WORLD_SIZE") or 1)
+        local = local or int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+        student = arch_from(cfg.model.hf_path, "model.hf_path")
+        teacher = arch_from(cfg.teacher.hf_path, "teacher.hf_path") if cfg.teacher.hf_path else None
+        if torch.cuda.is_available():
+            gb = memory_gb or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GB
+            gpu = gpu_from_name(f"{gb:.2f}")
+            p = plan_run(cfg, Cluster(gpu, trainer=world), student, teacher)
+            bad = [v for v in p["verdicts"] if v["role"].startswith("trainer") and not v["fits"]]
+            where = f"--gpu {gb:.0f}"
+        else:
+            dev = cpu_device(memory_gb)
+            nodes = max(1, world // max(1, local))
+            p = plan_run(cfg, Cluster(dev, world, 0, 0, nodes, dev.memory_gb, nodes), student, teacher)
+            bad = [v for v in p["verdicts"] if not v["fits"]]
+            where = f"--gpu cpu:{dev.memory_gb:.0f}" + (f" --gpus-per-node {local}" if local > 1 else "")
+    except Exception:  # noqa: BLE001 - advice only: a plan that cannot be made says nothing
+        return None
+    if not bad:
+        return None
+    return ("plan: WARNING: this run is not expected to fit this machine's memory: "
+            + "; ".join(f"{v['role']} {v['text']}" for v in bad)
+            + f" (megatron-opd plan --config <this config> {where} for the table and settings that fit)")

@@ -20,6 +20,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    _warn_if_it_will_not_fit(cfg, args.config)
     from megatron_opd.data.prompts import DataError
     from megatron_opd.models.checkpoint import CheckpointError
     from megatron_opd.models.hf_config import HFConfigError
@@ -55,6 +56,21 @@ def main(argv: list[str]) -> int:
     finally:
         trainer.close()
     return 0
+
+
+def _warn_if_it_will_not_fit(cfg, config_path) -> None:
+    """`megatron-opd plan`'s verdict for this machine, once per machine (local rank 0), before anything is
+    built: a run whose plan exceeds the GPU's memory or, on a CPU, the RAM is told so now rather than by the
+    OOM killer later. Advice only: reading a config.json and a few formulas, never an error."""
+    import os
+
+    if int(os.environ.get("LOCAL_RANK") or 0) != 0:
+        return
+    from megatron_opd.plan import fit_warning
+
+    text = fit_warning(cfg)
+    if text:
+        print(text.replace("<this config>", str(config_path or "<config>")), file=sys.stderr)
 
 
 def _label(e: Exception) -> str:
