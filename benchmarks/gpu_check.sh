@@ -9,6 +9,11 @@
 #       # -> python benchmarks/gpu_check.py --size 0.5b --device cuda --out $OUT/gpu_check.json
 #       #    --time-limit ${TIME_LIMIT:-460} (the limit counts from this script's start; log: $OUT/gpu_check.log)
 #   bash benchmarks/gpu_check.sh --cpu-tiny [gpu_check.py args]   # the same path at --size tiny --device cpu (CI)
+#   bash benchmarks/gpu_check.sh --dry-run      # the phases (model, packed, ckpt, rng, resume, dynbatch, presets,
+#                                               # memplan, sglang), each with what it checks and its criterion
+#
+# Not carried: torch, Transformer Engine and sglang (the machine's own). Without sglang the sglang phase prints
+# "sglang: not installed, not run" and is no failure; everything else that cannot build fails the check.
 #
 # Wheel install: only the carried distributions the machine's python lacks, or has older than the carried
 # ones, go to a fresh --target directory ($GPU_CHECK_SITE, default /tmp/gpu_check_site) that is put on
@@ -21,7 +26,8 @@
 #
 # Environment: PYTHON (default: the first of python, python3 that imports torch), OUT, TIME_LIMIT,
 # PY_TAG and LOCK (--fetch-wheels), GPU_CHECK_WHEELS (default <repo>/.whl), GPU_CHECK_SITE.
-# Exit status: gpu_check.py's (0: every phase ok), or 2 for a usage/setup error.
+# Exit status: gpu_check.py's (0: every phase run is ok; sglang absent is no failure), or 2 for a usage/setup
+# error.
 
 set -euo pipefail
 
