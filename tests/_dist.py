@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+import _version_marker
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,18 +32,35 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         import torch
 
         torch.set_num_threads(1)
+        _version_marker._patch()  # this rank's GPTModel builds count for the test (the `megatron` marker)
         # Serialised to bytes: a tensor shared through torch's IPC can vanish when this rank exits
         # before the parent reads it (FileNotFoundError).
         buf = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        queue.put((rank, "ok", buf.getvalue(), _version_marker._calls["n"]))
     except BaseException:  # noqa: BLE001 - ship the traceback to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        queue.put((rank, "error", traceback.format_exc(), 0))
         raise
 
 
+# Imported once by the fork server, before it forks each rank: a spawned rank paid ~5-20 s of these imports
+# on 2 cores, once per rank per test. Each rank is still a fresh process (no parallel state, no process group,
+# no thread pool: importing starts none), forked from a server that has only imported modules.
+PRELOAD = ["torch", "torch.distributed", "transformers", "megatron.core", "megatron.core.models.gpt",
+           "megatron.core.optimizer", "megatron.core.dist_checkpointing", "megatron_opd.trainer.loop",
+           "megatron_opd.models.weight_mapping", "megatron_opd.teacher.megatron", "_tiny", "_version_marker"]
+
+
+def _context() -> Any:
+    method = os.environ.get("MEGATRON_OPD_TEST_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
@@ -51,7 +70,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     errors = []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+            rank, status, payload, built = queue.get(timeout=timeout)
+            _version_marker._calls["n"] += built
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
             else:

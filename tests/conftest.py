@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
-pytest_plugins = ["_strict_skips"]
+pytest_plugins = ["_strict_skips", "_version_marker"]
 
 
 @pytest.fixture

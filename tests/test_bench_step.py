@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from _proc import explain, run
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "bench_step.py"
 
@@ -45,6 +47,7 @@ def test_bad_arguments_are_refused():
     assert "--before REV" in proc.stderr, explain(proc)
 
 
+@pytest.mark.slow  # > 15 s: the slow CI leg runs it
 @pytest.mark.timeout(300)
 def test_tiny_run_ours_and_trl(tmp_path):
     """Both trainers run on the tiny pair; every row has timed steps and a peak RSS; ours has its breakdown."""
@@ -87,6 +90,7 @@ def test_varied_workload_shapes_every_rollout_the_same_way():
         assert s.truncated == (n == 256)
 
 
+@pytest.mark.slow  # > 15 s: the slow CI leg runs it
 @pytest.mark.timeout(300)
 def test_tiny_varied_run_packed_has_no_padding(tmp_path):
     """The varied workload end to end: padded micro-batches pad, packed ones do not; the phases table is printed."""

@@ -81,6 +81,7 @@ def test_70b_teacher_layout_divides_the_model():
     assert cfg.model.family == "llama", "the teacher's tokenizer must be the student's"
 
 
+@pytest.mark.megatron
 def test_cpu_tiny_runs_as_its_header_says(tmp_path, monkeypatch):
     """examples/cpu_tiny.yaml's two commands, from a repository-like working directory: the demo writes the
     tiny inputs where the YAML reads them, and `megatron-opd train --config examples/cpu_tiny.yaml` trains,

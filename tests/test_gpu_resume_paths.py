@@ -21,6 +21,8 @@ import torch
 
 from _dist import run_distributed
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 # -- 1. TE FusedAdam under megatron's DistributedOptimizer ---------------------------------------------------------
 

@@ -14,6 +14,8 @@ from megatron_opd.algo.ref_kl import full_kl, full_kl_reference
 from megatron_opd.models.logprobs import (iter_logit_chunks, mask_vocab_padding, vocab_parallel_reduce,
                                           vocab_parallel_token_logprobs)
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 def _naive(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1).gather(-1, target[..., None]).squeeze(-1)

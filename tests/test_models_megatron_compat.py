@@ -21,6 +21,8 @@ import pytest
 
 from _dist import run_distributed
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 GPT_LOGGER = "megatron.core.models.gpt.gpt_model"
 GPT_DEPRECATION = "GPTModel IS DEPRECATED"
 CUDA_GRAPH_WARNINGS = ("full scope is deprecated", "cuda_graph_scope is deprecated", "cuda_graph_modules '")

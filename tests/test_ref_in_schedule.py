@@ -18,6 +18,8 @@ import torch
 from _dist import run_distributed
 from _tiny import tiny_setup
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

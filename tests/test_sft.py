@@ -13,6 +13,8 @@ import torch
 from tests._dist import run_distributed
 from tests._tiny import tiny_setup
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 def _overrides(student: Path, data: dict[str, Path], **extra: str) -> list[str]:
     base = {"model.hf_path": str(student), "data.train_path": str(data["train"]), "optim.lr": "1e-3",

@@ -408,6 +408,7 @@ def test_trainer_launches_teacher_server_with_api_key(tmp_path, monkeypatch):
         srv.shutdown()
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("colocate", [False, True])
 def test_trainer_end_to_end_against_stand_in_server(standin, tmp_path, monkeypatch, request, colocate):
     """A whole `Trainer` (tiny student, HF teacher) with rollout.backend=sglang attached by rollout.server_url

@@ -15,6 +15,8 @@ from megatron_opd.config import load_config
 from megatron_opd.models.checkpoint import read_weights
 from megatron_opd.trainer.logger import read_metrics
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

@@ -18,6 +18,8 @@ from megatron_opd.config import load_config
 from megatron_opd.trainer.logger import read_metrics
 from megatron_opd.trainer.preempt import MARKER_FILE, PREEMPTED_EXIT, REQUEST_FILE, Preempted, PreemptionWatch
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 KEYS = ("rollout/response_len_mean", "loss/pg_loss", "loss/kl", "loss/golden_loss", "logp/student_mean",
         "logp/teacher_mean", "loss/grad_norm")
 

@@ -10,6 +10,8 @@ import torch
 from _dist import run_distributed
 from megatron_opd.models import weight_mapping as wm
 
+pytestmark = pytest.mark.megatron  # version-sensitive: CI's py3.12 + megatron-core 0.19 leg runs it
+
 
 class _RankShard(torch.nn.Module):
     """Quacks like this rank's GPTModel for iter_hf_weights: `state_dict()` and `vocab_size`."""

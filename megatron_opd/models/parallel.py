@@ -90,14 +90,16 @@ def init_parallel(
                 if world != 1:
                     raise ValueError("MASTER_PORT is not set but WORLD_SIZE > 1 (launch with torchrun)")
                 os.environ["MASTER_PORT"] = str(free_port())
+            store = _elastic_store(world, timedelta(minutes=timeout_minutes))
         else:
-            rank, world = 0, 1
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            # One process and no launcher: nothing to meet, so an in-process store. A TCP store on a "free"
+            # port raced with every other process on the machine for it (EADDRINUSE between free_port's close
+            # and the bind: two demos, or tests side by side).
+            rank, world, store = 0, 1, dist.HashStore()
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         dist.init_process_group(backend=be, rank=rank, world_size=world, timeout=timedelta(minutes=timeout_minutes),
-                                store=_elastic_store(world, timedelta(minutes=timeout_minutes)))
+                                store=store)
 
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
