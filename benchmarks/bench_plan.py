@@ -161,13 +161,18 @@ def predict(overrides: list[str], world: int, save: bool = False) -> list[dict[s
     phases) and, with `save`, a checkpoint save; the startup phase is before the window. The rollout
     engine lives on rank 0 only."""
     from megatron_opd.config import load_config
-    from megatron_opd.plan import GPUS, Cluster, RankPlan, Component, arch_from, plan_run
+    from megatron_opd.plan import GPUS, Cluster, Component, RankPlan, arch_from, dtype_bytes, plan_run
 
     cfg = load_config(None, overrides)
     student, teacher = arch_from(cfg.model.hf_path, "model"), arch_from(cfg.teacher.hf_path, "teacher")
     plan = plan_run(cfg, Cluster(GPUS["h100-80gb"], trainer=world), student, teacher, device="cpu")
     pp = cfg.parallel.pipeline_model_parallel_size
     phases = ("rollout", "training", "save") if save else ("rollout", "training")
+    # The local engine's own copy (TP/PP > 1) is transformers' from_pretrained of the checkpoint: in the
+    # checkpoint's dtype its tensors are a private mapping of the safetensors file, not the CPU allocator's,
+    # so the profiler never sees them (the weight syncs make them private pages: resident, in RSS).
+    engine_e = dtype_bytes(cfg.rollout.dtype if cfg.rollout.dtype != "auto" else cfg.model.params_dtype, gpu=False)
+    mmapped = {"rollout engine (local, own copy)"} if engine_e == student.ckpt_bytes else set()
     out = []
     for rank in range(world):
         stage = 0 if pp == 1 else (0 if rank < world // pp else 1)  # megatron's rank order: TP, then DP... PP last
@@ -175,8 +180,9 @@ def predict(overrides: list[str], world: int, save: bool = False) -> list[dict[s
         rp = RankPlan(r["role"], [Component(**c) for c in r["components"]])
         gb, phase = rp.peak(phases, rank0=rank == 0)
         comps = [c for c in rp.components if c.phase in ("", phase) and (rank == 0 or not c.rank0)]
-        out.append({"rank": rank, "role": r["role"], "predicted_gb": gb, "phase": phase,
-                    "components": {c.name: round(c.gb, 4) for c in comps}})
+        unseen = sum(c.gb for c in comps if c.name in mmapped)
+        out.append({"rank": rank, "role": r["role"], "predicted_gb": gb - unseen, "phase": phase,
+                    "not_allocated_gb": round(unseen, 4), "components": {c.name: round(c.gb, 4) for c in comps}})
     return out
 
 
