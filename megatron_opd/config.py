@@ -60,6 +60,9 @@ class ParallelConfig:
 
 @dataclass
 class TeacherConfig:
+    # the teacher's name in `teachers:` (teacher_route maps prompt records to it; metrics `<key>/<name>`); the
+    # single `teacher:` block is the one teacher named "default"
+    name: str = "default"
     hf_path: Optional[str] = None
     backend: Literal["megatron", "sglang", "hf"] = "megatron"
     # backend=megatron: equal to the student's parallel sizes, the teacher shares megatron's groups; different
@@ -87,6 +90,19 @@ class TeacherConfig:
     # at train start (teacher/fidelity.py): tokenizers, special tokens, chat template, EOS ids and the golden
     # data's end token of student and teacher must agree; "error" stops before any model loads, "warn" logs.
     preflight: Literal["error", "warn", "off"] = "error"
+    # the teacher's log-probs are those of softmax(logits / temperature) (1: its own distribution); in-process
+    # teachers (megatron, hf) only: an SGLang server's prefill log-probs are at temperature 1
+    temperature: float = 1.0
+
+
+@dataclass
+class TeacherRouteConfig:
+    """Which of `teachers:` scores a prompt: the prompt record's `field` (e.g. `teacher: math`), its value
+    mapped by `map` (value -> teacher name; a value absent from `map` is itself a teacher name), else `default`."""
+
+    field: Optional[str] = None
+    map: dict[str, Any] = dataclasses.field(default_factory=dict)
+    default: Optional[str] = None
 
 
 @dataclass
@@ -246,6 +262,10 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    # several teachers, each prompt scored by the one teacher_route picks (docs/usage.md "Several teachers");
+    # exclusive with `teacher:`. When set, `teacher` is teachers[0] (code that knows one teacher sees the first)
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    teacher_route: TeacherRouteConfig = field(default_factory=TeacherRouteConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -253,6 +273,14 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def all_teachers(self) -> list[TeacherConfig]:
+        """The teachers of this run: `teachers:`, or the one `teacher:` block."""
+        return list(self.teachers) if self.teachers else [self.teacher]
+
+    def teacher_key(self, i: int) -> str:
+        """The dotted config key of teacher i, for messages: `teachers[i]` or `teacher`."""
+        return f"teachers[{i}]" if self.teachers else "teacher"
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -311,6 +339,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return {k: (v.parsed if isinstance(v, _RawOverride) else v) for k, v in value.items()}
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):  # an entry of a list of sections (teachers:)
+        obj = tp()
+        _apply(obj, value.parsed if isinstance(value, _RawOverride) else value, key + ".")
+        return obj
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -459,6 +491,8 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     for item in reversed(defaults or []):
         keys, value = _parse_override(item)
         data = _deep_merge(_nest(keys, value), data)
+    if ("teacher" in data or "teacher" in cli) and ("teachers" in data or "teachers" in cli):
+        raise ConfigError("teacher, teachers: give one teacher as `teacher:` or several as `teachers:`, not both")
     cfg = Config()
     cli_algo = cli.get("algo") if isinstance(cli.get("algo"), dict) else {}
     preset_on_cli = "preset" in cli_algo
@@ -474,12 +508,17 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     elif preset_on_cli:
         data = _deep_merge(data, cli)
     _apply(cfg, data, "")
+    if cfg.teachers:
+        cfg.teacher = cfg.teachers[0]
     validate(cfg)
     return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as plain data that `load_config` reads back: `teacher` or `teachers`, never both."""
+    out = dataclasses.asdict(cfg)
+    out.pop("teacher" if cfg.teachers else "teachers")
+    return out
 
 
 def validate(cfg: Config) -> None:
@@ -508,8 +547,6 @@ def validate(cfg: Config) -> None:
     need(a.num_minibatches >= 1, "algo.num_minibatches", f"must be >= 1, got {a.num_minibatches}")
     need(not (a.mixture_ratio > 0 and a.lambda_gold == 0), "algo.lambda_gold",
          "is 0 while algo.mixture_ratio > 0: golden samples would carry no loss")
-    need(not (a.golden_loss == "fkl_topk" and a.lambda_gold > 0 and cfg.teacher.top_k <= 0), "teacher.top_k",
-         "must be > 0 when algo.golden_loss=fkl_topk")
     need(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", "must be >= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
     need(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
@@ -526,15 +563,12 @@ def validate(cfg: Config) -> None:
         logging.getLogger("megatron_opd.config").warning("%s (accepted: rollout.allow_truncated_sampling=true)", msg)
     need(r.num_threads >= 0, "rollout.num_threads", f"must be >= 0 (0: auto), got {r.num_threads}")
     need(1 <= r.port <= 65535, "rollout.port", f"must be a TCP port, got {r.port}")
-    need(not (cfg.teacher.offload and cfg.teacher.backend != "megatron"), "teacher.offload",
-         f"parks an in-process megatron teacher's weights; teacher.backend={cfg.teacher.backend} holds none here")
     need(r.max_engine_logp_absdiff > 0, "rollout.max_engine_logp_absdiff",
          f"must be > 0, got {r.max_engine_logp_absdiff}")
     need(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", "must be in (0, 1)")
     for key, size in (("parallel.tensor_model_parallel_size", p.tensor_model_parallel_size),
                       ("parallel.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
-                      ("teacher.tensor_model_parallel_size", cfg.teacher.tensor_model_parallel_size),
-                      ("teacher.pipeline_model_parallel_size", cfg.teacher.pipeline_model_parallel_size)):
+):
         need(size >= 1, key, f"must be >= 1, got {size}")
     m, tp = cfg.model, p.tensor_model_parallel_size
     if m.num_attention_heads is not None:
@@ -563,9 +597,6 @@ def validate(cfg: Config) -> None:
     need(cfg.checkpoint.save_every >= 1, "checkpoint.save_every", "must be >= 1")
     need(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     need(cfg.logging.sample_every >= 0, "logging.sample_every", "must be >= 0 (0: off)")
-    need(cfg.teacher.top_k >= 0, "teacher.top_k", "must be >= 0")
-    need(cfg.teacher.micro_batch_size is None or cfg.teacher.micro_batch_size >= 1, "teacher.micro_batch_size",
-         "must be >= 1 (or null)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
     for section in ("collapse", "health"):
         sub = getattr(t, section)
@@ -582,21 +613,74 @@ def validate(cfg: Config) -> None:
         need(host in ("127.0.0.1", "localhost", "::1"), "rollout.colocate",
              f"true syncs weights as same-machine tensor handles, but rollout.server_url={r.server_url!r} is on "
              "another host: set rollout.colocate=false (weights over init_weights_update_group)")
-    for key, url in (("rollout.server_url", r.server_url), ("teacher.server_url", cfg.teacher.server_url)):
+    for key, url in (("rollout.server_url", r.server_url),):
         need(url is None or url.startswith(("http://", "https://")), key, f"must be an http(s):// URL, got {url!r}")
-    for key, var in (("rollout.api_key_env", r.api_key_env), ("teacher.api_key_env", cfg.teacher.api_key_env)):
+    for key, var in (("rollout.api_key_env", r.api_key_env),):
         need(var == "" or (var.replace("_", "a").isalnum() and var.isascii() and not var[0].isdigit()), key,
              f"must name an environment variable (or be empty for no key), got {var!r}; keys are never put in configs")
     need(r.weight_sync_timeout > 0, "rollout.weight_sync_timeout", f"must be > 0 seconds, got {r.weight_sync_timeout}")
-    for key, args in (("rollout.sglang_args", r.sglang_args), ("teacher.sglang_args", cfg.teacher.sglang_args)):
-        bad = [k for k in args if not (isinstance(k, str) and k.replace("_", "a").isalnum())]
-        need(not bad, key, f"keys must be SGLang ServerArgs names (e.g. tp_size), got {bad}")
-        need("mem_fraction_static" not in args or key.startswith("teacher"), key,
-             "set rollout.mem_fraction_static instead of rollout.sglang_args.mem_fraction_static")
-    need(cfg.teacher.retries >= 0, "teacher.retries", f"must be >= 0, got {cfg.teacher.retries}")
-    if cfg.teacher.backend == "sglang":
-        need(cfg.teacher.server_url is not None or cfg.teacher.hf_path is not None, "teacher.server_url",
-             "teacher.backend=sglang needs teacher.server_url or teacher.hf_path")
+    bad = [k for k in r.sglang_args if not (isinstance(k, str) and k.replace("_", "a").isalnum())]
+    need(not bad, "rollout.sglang_args", f"keys must be SGLang ServerArgs names (e.g. tp_size), got {bad}")
+    need("mem_fraction_static" not in r.sglang_args, "rollout.sglang_args",
+         "set rollout.mem_fraction_static instead of rollout.sglang_args.mem_fraction_static")
+    for i, tc in enumerate(cfg.all_teachers()):
+        _validate_teacher(cfg, tc, cfg.teacher_key(i), need)
+    _validate_route(cfg, need)
+
+
+def _validate_teacher(cfg: Config, t: TeacherConfig, pre: str, need: Any) -> None:
+    """One teacher's checks; `pre` is its dotted key (`teacher` or `teachers[i]`)."""
+    a = cfg.algo
+    need(not (a.golden_loss == "fkl_topk" and a.lambda_gold > 0 and t.top_k <= 0), f"{pre}.top_k",
+         "must be > 0 when algo.golden_loss=fkl_topk")
+    need(not (t.offload and t.backend != "megatron"), f"{pre}.offload",
+         f"parks an in-process megatron teacher's weights; {pre}.backend={t.backend} holds none here")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        size = getattr(t, key)
+        need(size >= 1, f"{pre}.{key}", f"must be >= 1, got {size}")
+    need(t.top_k >= 0, f"{pre}.top_k", "must be >= 0")
+    need(t.micro_batch_size is None or t.micro_batch_size >= 1, f"{pre}.micro_batch_size", "must be >= 1 (or null)")
+    need(t.server_url is None or t.server_url.startswith(("http://", "https://")), f"{pre}.server_url",
+         f"must be an http(s):// URL, got {t.server_url!r}")
+    var = t.api_key_env
+    need(var == "" or (var.replace("_", "a").isalnum() and var.isascii() and not var[0].isdigit()),
+         f"{pre}.api_key_env",
+         f"must name an environment variable (or be empty for no key), got {var!r}; keys are never put in configs")
+    bad = [k for k in t.sglang_args if not (isinstance(k, str) and k.replace("_", "a").isalnum())]
+    need(not bad, f"{pre}.sglang_args", f"keys must be SGLang ServerArgs names (e.g. tp_size), got {bad}")
+    need(t.retries >= 0, f"{pre}.retries", f"must be >= 0, got {t.retries}")
+    if t.backend == "sglang":
+        need(t.server_url is not None or t.hf_path is not None, f"{pre}.server_url",
+             f"{pre}.backend=sglang needs {pre}.server_url or {pre}.hf_path")
+    need(t.temperature > 0, f"{pre}.temperature", f"must be > 0, got {t.temperature}")
+    need(t.temperature == 1.0 or t.backend != "sglang", f"{pre}.temperature",
+         f"{t.temperature} needs an in-process teacher (backend megatron or hf): an SGLang server's prefill "
+         "log-probs are at temperature 1")
+    need(bool(t.name) and t.name.replace("_", "a").replace("-", "a").replace(".", "a").isalnum(), f"{pre}.name",
+         f"must be a non-empty name of letters, digits, '_', '-', '.' (it names metrics), got {t.name!r}")
+
+
+def _validate_route(cfg: Config, need: Any) -> None:
+    """teachers: unique names; teacher_route: only with several teachers, naming teachers that exist."""
+    names = [t.name for t in cfg.all_teachers()]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    need(not dup, f"teachers[{len(names) - 1 - names[::-1].index(dup[0])}].name" if dup else "teachers",
+         f"duplicate teacher name(s) {dup}: each teacher needs its own name")
+    a = cfg.algo
+    if a.golden_loss == "fkl_topk" and a.lambda_gold > 0:
+        ks = [t.top_k for t in cfg.all_teachers()]
+        need(len(set(ks)) == 1, f"teachers[{ks.index(max(ks))}].top_k",
+             f"every teacher's top_k must be equal for algo.golden_loss=fkl_topk (one [B, T, K] target), got {ks}")
+    route = cfg.teacher_route
+    for value, name in route.map.items():
+        need(isinstance(name, str) and name in names, f"teacher_route.map.{value}",
+             f"names no teacher: {name!r} (teachers: {names})")
+    need(route.default is None or route.default in names, "teacher_route.default",
+         f"names no teacher: {route.default!r} (teachers: {names})")
+    need(not route.map or route.field is not None, "teacher_route.field",
+         "is not set, but teacher_route.map is: which prompt field holds the routed value?")
+    need(len(names) == 1 or route.field is not None or route.default is not None, "teacher_route",
+         f"{len(names)} teachers but no teacher_route.field or teacher_route.default: which teacher scores a prompt?")
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
@@ -605,7 +689,7 @@ def dump_config(cfg: Config, path: str | Path) -> None:
 
 __all__ = [
     "AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig",
-    "OptimConfig", "PRESETS", "ParallelConfig", "RolloutConfig", "TeacherConfig", "TrainConfig",
+    "OptimConfig", "PRESETS", "ParallelConfig", "RolloutConfig", "TeacherConfig", "TeacherRouteConfig", "TrainConfig",
     "config_to_dict", "dump_config", "load_config", "validate",
 ]
 _ = typing  # keep import for get_type_hints on postponed annotations

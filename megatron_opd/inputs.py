@@ -76,11 +76,12 @@ def check_inputs(cfg: Config, world_size: int | None = None) -> None:
     torchrun's WORLD_SIZE (no check without it)."""
     _model_dir("model.hf_path", cfg.model.hf_path, "the student: an HF directory with config.json and *.safetensors")
     _declared_sizes(cfg)
-    t = cfg.teacher
-    if t.backend in ("megatron", "hf") or (t.backend == "sglang" and t.server_url is None):
-        _model_dir("teacher.hf_path", t.hf_path, f"the teacher model for teacher.backend={t.backend}")
-    if t.tokenizer_path is not None:
-        _model_dir("teacher.tokenizer_path", t.tokenizer_path, "the teacher's tokenizer and config files")
+    for i, t in enumerate(cfg.all_teachers()):
+        key = cfg.teacher_key(i)
+        if t.backend in ("megatron", "hf") or (t.backend == "sglang" and t.server_url is None):
+            _model_dir(f"{key}.hf_path", t.hf_path, f"the teacher model for {key}.backend={t.backend}")
+        if t.tokenizer_path is not None:
+            _model_dir(f"{key}.tokenizer_path", t.tokenizer_path, "the teacher's tokenizer and config files")
     _data_path("data.train_path", cfg.data.train_path)
     for i, item in enumerate(cfg.data.eval_paths):
         try:

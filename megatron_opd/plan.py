@@ -386,6 +386,19 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
     if t.backend == "hf" and teacher is not None and stage in ("only", "first"):
         tr.add("teacher (HF, rank 0)", teacher.params * dtype_bytes(t.params_dtype, on_gpu),
                "rank 0: the whole teacher as an HF model", rank0=True)
+    for k, tk in enumerate(cfg.teachers[1:], 1):  # `teachers:` beyond the first (which is cfg.teacher)
+        if tk.hf_path is None or tk.backend == "sglang":
+            continue
+        ak = arch_from(tk.hf_path, f"teachers[{k}].hf_path")
+        if tk.backend == "megatron":
+            tp_k, pp_k = tk.tensor_model_parallel_size, tk.pipeline_model_parallel_size
+            st = stage if (tp_k, pp_k) == (lay.tp, lay.pp) else ("only" if pp_k == 1 else "first")
+            tr.add(f"teacher {tk.name!r} weights (in-process)",
+                   stage_params(ak, tp_k, pp_k, st) * dtype_bytes(tk.params_dtype, on_gpu),
+                   f"teacher TP{tp_k} x PP{pp_k} on the trainer ranks")
+        elif stage in ("only", "first"):
+            tr.add(f"teacher {tk.name!r} (HF, rank 0)", ak.params * dtype_bytes(tk.params_dtype, on_gpu),
+                   "rank 0: the whole teacher as an HF model", rank0=True)
     if cfg.rollout.backend == "local" and stage in ("only", "first"):
         _local_engine(tr, cfg, lay, student, e, on_gpu)
     if on_gpu and cfg.rollout.colocate and cfg.rollout.backend == "sglang":

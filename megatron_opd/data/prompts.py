@@ -49,6 +49,7 @@ class PromptRecord:
     solution_ids: Optional[list[int]] = None
     source: str = ""  # "<file>:<line>"
     meta: dict[str, Any] = field(default_factory=dict)  # other scalar fields (subject, level, ...)
+    teacher: str = ""  # the teacher that scores this prompt's rows (`route_teachers`; "": the only one)
 
     @property
     def has_solution(self) -> bool:
@@ -303,6 +304,27 @@ def load_prompts(path: Union[str, Path], cfg: DataConfig, tokenizer: Any, *, req
     return PromptSet(records, bad, str(path))
 
 
+def route_teachers(prompts: PromptSet, route: Any, names: list[str]) -> PromptSet:
+    """Set each record's `teacher` by `route` (config.TeacherRouteConfig): the record's `route.field`,
+    mapped by `route.map` (a value absent from the map is itself a teacher name), else `route.default`.
+    A record whose value names no teacher, with no default, is a DataError naming its file and line;
+    without several teachers every record gets the only one."""
+    mapping = {str(k): v for k, v in route.map.items()}
+    default = route.default if route.default is not None or len(names) > 1 else names[0]
+    for rec in prompts.records:
+        value = rec.meta.get(route.field) if route.field is not None else None
+        name = str(mapping.get(str(value), value)) if value is not None else None
+        if name not in names:
+            if default is None:
+                what = (f"has no field {route.field!r}" if value is None
+                        else f"{route.field}={value!r} names no teacher")
+                raise DataError(f"{rec.source}: {what} (teachers: {names}; teacher_route.map: {dict(route.map)}) "
+                                "and teacher_route.default is not set")
+            name = default
+        rec.teacher = name
+    return prompts
+
+
 def write_jsonl(rows: Sequence[dict], path: Union[str, Path]) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -313,5 +335,5 @@ def write_jsonl(rows: Sequence[dict], path: Union[str, Path]) -> Path:
 
 
 __all__ = ["BadRecord", "DataError", "PromptRecord", "PromptSet", "build_record", "encode", "eos_id",
-           "has_chat_template", "iter_rows", "load_prompts", "render_prompt", "solution_ids", "tokenize_prompt",
-           "write_jsonl"]
+           "has_chat_template", "iter_rows", "load_prompts", "render_prompt", "route_teachers", "solution_ids",
+           "tokenize_prompt", "write_jsonl"]

@@ -16,13 +16,16 @@ from megatron_opd.teacher.base import TeacherScore, check_score_inputs, scores_f
 
 class HFTeacher:
     def __init__(self, model: torch.nn.Module, micro_batch_size: int = 8, eos_token_ids: Optional[list[int]] = None,
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, temperature: float = 1.0):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: must be >= 1, got {micro_batch_size}")
         self.model = model.eval()
         self.micro_batch_size = micro_batch_size
         self.eos_token_ids = sorted(set(eos_token_ids)) if eos_token_ids is not None else eos_ids_from(model)
         self.pad_token_id = pad_token_id
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self.temperature = float(temperature)  # log-probs of softmax(logits / temperature)
         self.vocab_size = int(model.config.vocab_size)
         self.topk_id_limit: Optional[int] = None  # teacher/fidelity.py topk_id_limit: ids the student has
         self._device = next(model.parameters()).device
@@ -57,6 +60,9 @@ class HFTeacher:
         out = []
         for i, (p, r) in enumerate(zip(prompts, responses)):
             P, T = len(p), len(r)
-            out.append(scores_from_logits(logits[i, P - 1:P - 1 + T].cpu(), torch.tensor(r, dtype=torch.long), top_k,
+            rows = logits[i, P - 1:P - 1 + T].cpu()
+            if self.temperature != 1.0:
+                rows = rows.float() / self.temperature
+            out.append(scores_from_logits(rows, torch.tensor(r, dtype=torch.long), top_k,
                                           self.topk_id_limit))
         return out

@@ -78,7 +78,7 @@ class MegatronTeacher:
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, eos_token_ids: list[int], micro_batch_size: int = 8,
                  pad_token_id: int = 0, layout: Optional[Any] = None, max_tokens: Optional[int] = None,
-                 pack: bool = False, thd: bool = False):
+                 pack: bool = False, thd: bool = False, temperature: float = 1.0):
         if micro_batch_size < 1:
             raise ValueError(f"teacher.micro_batch_size: must be >= 1, got {micro_batch_size}")
         if pack and not max_tokens:
@@ -94,6 +94,9 @@ class MegatronTeacher:
         # forwards as the trainer's (train.max_tokens_per_microbatch / pack_sequences): rows grouped by length
         # up to max_tokens padded tokens, or packed into sequences of up to max_tokens (THD on TE, else a mask)
         self.max_tokens, self.pack, self.thd = max_tokens, pack, thd
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self.temperature = float(temperature)  # log-probs (and top-k) of softmax(logits / temperature)
 
     @classmethod
     def from_hf(cls, path: str | Path, micro_batch_size: int = 8, layer_spec: str = "auto",
@@ -175,6 +178,8 @@ class MegatronTeacher:
         K = top_k
 
         def loss_fn(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+            if self.temperature != 1.0:
+                logits = logits.float() / self.temperature
             lp = vocab_parallel_token_logprobs(logits, mb["targets"], tp_group, vocab_size=self.vocab_size)
             rep = {"logp": lp.float()}
             if K:

@@ -24,6 +24,7 @@ class SequenceItem:
     truncated: bool = False
     behaviour_logprobs: Optional[list[float]] = None
     prompt_index: int = -1
+    teacher: str = ""  # the routed teacher's name (PromptRecord.teacher; "": the only one)
 
 
 @dataclass

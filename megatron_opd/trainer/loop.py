@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_opd.config import Config, dump_config
-from megatron_opd.data.prompts import load_prompts
+from megatron_opd.data.prompts import load_prompts, route_teachers
 from megatron_opd.data.sampler import PromptSampler
 from megatron_opd.eval.benchmarks import load_benchmark
 from megatron_opd.inputs import check_inputs, eval_set_name
@@ -81,6 +81,7 @@ class Trainer:
         self.learner = Learner(cfg, self.student, dp_size=self.dp_size, is_last_stage=self.is_last_stage)
         self.prompts = load_prompts(cfg.data.train_path, cfg.data, self.tokenizer,
                                     require_solution=cfg.algo.mixture_ratio > 0)
+        route_teachers(self.prompts, cfg.teacher_route, [t.name for t in cfg.all_teachers()])
         self.sampler = PromptSampler(self.prompts.records, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
                                      batch_size=cfg.train.prompts_per_step)
         self.eval_sets = {name: load_benchmark(name, path, self.tokenizer, cfg.data)

@@ -118,7 +118,8 @@ class Rollouts:
             assert_fresh(samples, version)
             for s in samples:
                 items.append(SequenceItem(s.prompt_ids, s.response_ids, truncated=s.truncated,
-                                          behaviour_logprobs=s.logprobs, prompt_index=s.prompt_index))
+                                          behaviour_logprobs=s.logprobs, prompt_index=s.prompt_index,
+                                          teacher=records[s.prompt_index].teacher))
                 texts.append(self.tokenizer.decode(s.response_ids, skip_special_tokens=True))
                 prompt_texts.append(records[s.prompt_index].prompt)
         items = self._with_golden(items, records, step)
@@ -141,7 +142,8 @@ class Rollouts:
             i = with_gold[j]
             sol, cut = golden_response(records[i].solution_ids, stop_ids, cfg.rollout.max_new_tokens,
                                        eos_id=eos if isinstance(eos, int) else None)
-            items.append(SequenceItem(records[i].prompt_ids, sol, is_golden=True, truncated=cut, prompt_index=i))
+            items.append(SequenceItem(records[i].prompt_ids, sol, is_golden=True, truncated=cut, prompt_index=i,
+                                      teacher=records[i].teacher))
         excess = len(items) % dp
         golden_idx = [i for i, it in enumerate(items) if it.is_golden]
         if excess > len(golden_idx):

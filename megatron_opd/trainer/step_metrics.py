@@ -32,6 +32,8 @@ def _rows(batch: TrainBatch, measure_engine_gap: bool) -> dict[str, Any]:
             rows[k] = batch.extras[k].detach().float().cpu()
     if measure_engine_gap and batch.behaviour_logp is not None:
         rows["behaviour_logp"] = batch.behaviour_logp.detach().float().cpu()
+    rows["teacher_id"] = batch.extras["teacher_id"].cpu() if "teacher_id" in batch.extras else \
+        torch.zeros(batch.response_mask.shape[0], dtype=torch.long)
     return rows
 
 
@@ -69,6 +71,20 @@ def batch_metrics(rows: dict[str, Any], config: Optional[HealthConfig]) -> dict[
     return out
 
 
+def per_teacher(rows: dict[str, Any], names: list[str], config: Optional[HealthConfig]) -> dict[str, float]:
+    """`<metric>/<teacher name>`: `batch_metrics` over the rows each teacher scored (its routed prompts'
+    rollouts and golden rows), for every teacher with rows in the step."""
+    out: dict[str, float] = {}
+    tid = rows["teacher_id"]
+    for k, name in enumerate(names):
+        sel = (tid == k).nonzero().flatten()
+        if sel.numel() == 0:
+            continue
+        sub = {key: v[sel] for key, v in rows.items()}
+        out.update({f"{key}/{name}": v for key, v in batch_metrics(sub, config).items()})
+    return out
+
+
 def loss_metrics(train_stats: list[dict[str, float]]) -> dict[str, float]:
     """`loss/<name>`: the mean over the step's minibatch updates of each finite statistic."""
     out = {}
@@ -93,7 +109,10 @@ def step_metrics(batch: TrainBatch, payload: dict[str, Any], train_stats: list[d
     reporters = [g for g in gathered if g]
     merged: dict[str, float] = {}
     if reporters:
-        merged.update(batch_metrics(_concat([g["rows"] for g in reporters]), config))
+        rows = _concat([g["rows"] for g in reporters])
+        merged.update(batch_metrics(rows, config))
+        if payload.get("teacher_names"):
+            merged.update(per_teacher(rows, payload["teacher_names"], config))
         for k in sorted({k for g in reporters for k in g["loss"]}):  # whole-minibatch values on every rank
             vals = [g["loss"][k] for g in reporters if k in g["loss"] and math.isfinite(g["loss"][k])]
             merged[k] = sum(vals) / len(vals) if vals else float("nan")
@@ -109,6 +128,16 @@ def step_metrics(batch: TrainBatch, payload: dict[str, Any], train_stats: list[d
         for k in ("rollout/repetition_rate", "rollout/truncation_rate"):
             if k in text_metrics:
                 merged[k] = text_metrics[k]
+        rolls = [it for it in payload["items"] if not it.is_golden][: len(texts)]
+        for name in payload.get("teacher_names") or []:
+            mine = [j for j, it in enumerate(rolls) if it.teacher in (name, "")]
+            if not mine:
+                continue
+            part = rollout_health(torch.ones((len(mine), 1), dtype=torch.bool), response_texts=[texts[j] for j in mine],
+                                  truncated=[rolls[j].truncated for j in mine], config=config)
+            for k in ("rollout/repetition_rate", "rollout/truncation_rate"):
+                if k in part:
+                    merged[f"{k}/{name}"] = part[k]
         merged.update(gpu_stats())
     return merged
 
