@@ -4,9 +4,9 @@ example config, and bad input. The whole validation table is benchmarks/bench_pl
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest

@@ -103,16 +103,22 @@ def _compare(rank, world_size, overrides):
         trainer.close()
 
 
+TP2 = ("parallel.tensor_model_parallel_size=2",)  # no sequence parallelism on the CPU (torch norm refuses it)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("dtypes", [(), ("model.ref_params_dtype=bfloat16",),
-                                    ("model.params_dtype=bfloat16", "model.ref_params_dtype=float32")],
-                         ids=["same-dtype", "bf16-reference", "fp32-reference-bf16-student"])
+                                    ("model.params_dtype=bfloat16", "model.ref_params_dtype=float32"),
+                                    pytest.param(TP2, marks=pytest.mark.slow)],
+                         ids=["same-dtype", "bf16-reference", "fp32-reference-bf16-student", "tp2"])
 def test_reference_inside_the_schedule_equals_the_separate_pass_and_holds_one_micro_batch(setup, tmp_path, dtypes):
     """Loss statistics and every gradient equal the old separate reference pass bit for bit, on both
     stages, for a reference in the student's dtype, a narrower one (its hidden states cast up to the
-    student's pipeline dtype, exactly) and a wider one (sent as twice the positions); and the last stage
+    student's pipeline dtype, exactly) and a wider one (sent as twice the positions), and at TP2 x PP2 (the
+    reference's logits vocab-parallel; slow: four processes); and the last stage
     never holds more than one micro-batch's reference logits (the old path: all 4 at once)."""
-    results = run_distributed(_compare, 2, _overrides(setup, tmp_path / "run", *dtypes))
+    world = 4 if dtypes == TP2 else 2
+    results = run_distributed(_compare, world, _overrides(setup, tmp_path / "run", *dtypes))
     for (new, old, is_last, ref_dtype) in results:
         (s_new, g_new, alive_new, n_micro), (s_old, g_old, alive_old, _) = new, old
         assert n_micro == 4
