@@ -27,14 +27,14 @@ def setup(tmp_path_factory):
     return root, student, teacher, routed
 
 
-def _cfg(setup, out, steps, tmp_path, *extra):
+def _cfg(setup, out, steps, tmp_path, *extra, teachers=None):
     root, student, teacher, routed = setup
     path = tmp_path / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump({
         # the megatron teacher is the tiny teacher; the hf one the student's own checkpoint at T=0.7, so a row
         # scored by the wrong teacher shows
-        "teachers": [{"name": "math", "backend": "megatron", "hf_path": str(teacher)},
-                     {"name": "easy", "backend": "hf", "hf_path": str(student), "temperature": 0.7}],
+        "teachers": teachers or [{"name": "math", "backend": "megatron", "hf_path": str(teacher)},
+                                 {"name": "easy", "backend": "hf", "hf_path": str(student), "temperature": 0.7}],
         "teacher_route": {"field": "teacher", "map": {"word": "easy"}},
         "model": {"hf_path": str(student)}, "data": {"train_path": str(routed)}}))
     return load_config(path, [
@@ -107,3 +107,61 @@ def test_resume_of_a_two_teacher_run_equals_the_uninterrupted_run(setup, tmp_pat
         for key in ("loss/pg_loss", "loss/golden_loss", "logp/teacher_mean", "adv/mean/math", "adv/mean/easy",
                     "logp/teacher_mean/math", "logp/teacher_mean/easy", "loss/grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+
+
+def test_golden_topk_comes_from_the_prompts_teacher(setup, tmp_path):
+    """algo.golden_loss=fkl_topk with two megatron teachers in the student's layout: each golden row's top-k
+    target is its prompt's routed teacher's (each teacher scores the sub-batch of its rows)."""
+    from megatron_opd.trainer.loop import Trainer
+
+    _root, student, teacher, _routed = setup
+    cfg = _cfg(setup, tmp_path / "gold", 1, tmp_path, "algo.golden_loss=fkl_topk", "algo.mixture_ratio=0.5",
+               teachers=[{"name": "math", "hf_path": str(teacher), "top_k": 4},
+                         {"name": "easy", "hf_path": str(student), "top_k": 4}])
+    trainer = Trainer(cfg)
+    seen = {}
+    real = trainer.scorer.score_batch
+
+    def capture(batch, with_ref_logp):
+        real(batch, with_ref_logp)
+        seen["batch"] = batch
+
+    trainer.scorer.score_batch = capture
+    try:
+        assert all(s.policy is not None for s in trainer.scorer.slots)
+        trainer.train()
+    finally:
+        trainer.close()
+    items, batch = trainer._last_payload["items"], seen["batch"]
+    refs = {"math": HFTeacher.from_pretrained(teacher), "easy": HFTeacher.from_pretrained(student)}
+    gold = [i for i, it in enumerate(items) if it.is_golden]
+    assert {items[i].teacher for i in gold} == {"math", "easy"}
+    for i in gold:
+        want = refs[items[i].teacher].score([items[i].prompt_ids], [items[i].response_ids], top_k=4)[0]
+        n = len(items[i].response_ids)
+        torch.testing.assert_close(batch.extras["teacher_topk_logp"][i, :n], want.topk_logprobs, rtol=1e-4, atol=1e-4)
+    assert read_metrics(tmp_path / "gold")[0]["loss/golden_loss"] > 0
+
+
+def test_preflight_checks_every_teacher(setup, tmp_path):
+    """The student/teacher preflight runs for each teacher: a second teacher with other EOS ids stops the run
+    naming it, before any model loads."""
+    import shutil
+
+    from megatron_opd.teacher.fidelity import PairMismatchError
+    from megatron_opd.trainer.scoring import preflight
+
+    _root, _student, teacher, _routed = setup
+    bad = tmp_path / "bad"
+    shutil.copytree(teacher, bad)
+    for f in ("generation_config.json", "config.json"):
+        data = json.loads((bad / f).read_text())
+        data["eos_token_id"] = 0
+        (bad / f).write_text(json.dumps(data))
+    cfg = _cfg(setup, tmp_path / "pre", 1, tmp_path)
+    preflight(cfg, 0)  # both good
+    cfg.teachers[1].hf_path = str(bad)
+    with pytest.raises(PairMismatchError, match=r"^teachers\[1\] \('easy'\): student/teacher pair: eos: EOS ids"):
+        preflight(cfg, 0)
+    cfg.teachers[1].preflight = "warn"
+    preflight(cfg, 0)
