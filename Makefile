@@ -54,7 +54,7 @@ BENCH_ARGS ?=
 bench-step: venv
 	$(VENV)/bin/python benchmarks/bench_step.py $(BENCH_ARGS)
 
-# `megatron-opd plan` against measured peaks on this CPU (10 configurations, ~7 min): the table of docs/scaling.md
+# `megatron-opd plan` against measured peaks on this CPU (13 configurations, ~11 min): the table of docs/scaling.md
 # and docs/plan_validation.json.
 bench-plan: venv
 	$(VENV)/bin/python benchmarks/bench_plan.py

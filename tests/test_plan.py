@@ -87,6 +87,7 @@ def test_activation_formula_matches_the_saved_tensors():
         destroy_parallel()
 
 
+@pytest.mark.slow  # > 15 s: the slow CI leg runs it
 @pytest.mark.megatron
 def test_a_measured_tiny_run_is_within_15_percent():
     """One row of the validation table, measured here: a tiny opd run's allocator high-water mark."""
