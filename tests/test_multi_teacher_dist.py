@@ -51,3 +51,42 @@ def test_layout_teacher_and_in_layout_teacher_match_both_in_layout(setup, tmp_pa
         assert own["logp/teacher_mean/math"] != own["logp/teacher_mean/easy"]
         for k in keys:
             assert own[k] == pytest.approx(same[k], rel=1e-4, abs=1e-6), (same["step"], k)
+
+
+PROMPTS, RESPONSES = [[5, 6, 7], [8, 9]], [[40, 41, 2], [50, 51]]
+
+
+def _temperature_worker(rank: int, world: int, path: str, temperature: float) -> list[list[float]]:
+    from megatron_opd.models.parallel import destroy_parallel, init_parallel
+    from megatron_opd.teacher.megatron import MegatronTeacher
+
+    init_parallel(tp=1, pp=1, backend="gloo")
+    try:
+        teacher = MegatronTeacher.from_hf(path, micro_batch_size=2, temperature=temperature)
+        return [s.logprobs.tolist() for s in teacher.score(PROMPTS, RESPONSES)]
+    finally:
+        destroy_parallel()
+
+
+def test_teacher_temperature_is_softmax_of_logits_over_t(setup):
+    """A teacher's `temperature`: log softmax(logits / T) of the HF model's own logits, for the hf and the
+    megatron (own layout) backends (the in-layout megatron teacher is a MegatronPolicy at that temperature)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_opd.teacher.hf import HFTeacher
+
+    _root, _student, teacher, _routed = setup
+    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+    want = []
+    for p, r in zip(PROMPTS, RESPONSES):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + len(r)]
+        want.append(torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
+    hf = HFTeacher.from_pretrained(teacher, temperature=0.7).score(PROMPTS, RESPONSES)
+    (mg,) = run_distributed(_temperature_worker, 1, str(teacher), 0.7)
+    plain = HFTeacher.from_pretrained(teacher).score(PROMPTS, RESPONSES)
+    for w, h, m, t1 in zip(want, hf, mg, plain):
+        torch.testing.assert_close(h.logprobs, w, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(m), w, atol=1e-4, rtol=0)
+        assert not torch.allclose(t1.logprobs, w, atol=1e-3)  # T = 0.7 is not T = 1
