@@ -399,8 +399,8 @@ class Scorer:
             if sub is batch or full is None and len(rows) == B:
                 full = logp
             else:
-                full = full if full is not None else torch.zeros((B, T), dtype=logp.dtype)
-                full[rows, : logp.shape[1]] = logp.to(full.dtype)
+                full = full if full is not None else torch.zeros((B, T), dtype=logp.dtype, device=logp.device)
+                full[rows, : logp.shape[1]] = logp.to(full.device, full.dtype)
             batch.extras["teacher_logp"] = full
         golden = sub.is_golden
         if self.wants_gold_topk and bool(golden.any()):
