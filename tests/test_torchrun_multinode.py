@@ -20,7 +20,7 @@ import pytest
 from _proc import log_tail, run
 from megatron_opd.trainer.logger import read_metrics
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # ~100 s: the slow CI leg runs it
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6

@@ -55,6 +55,7 @@ def test_a_test_building_a_gptmodel_must_declare_the_marker(tmp_path: Path) -> N
     assert "1 failed, 3 passed" in res.stdout, explain(res)
     assert "test_unmarked_builder builds a megatron-core GPTModel" in res.stdout, explain(res)
     assert "@pytest.mark.megatron" in res.stdout, explain(res)
-    selected = subprocess.run(cmd + ["-m", "megatron"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=180)
-    assert "2 passed, 2 deselected" in selected.stdout, explain(selected)
+    selected = subprocess.run(cmd + ["-m", "megatron", "--collect-only"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+    assert "2/4 tests collected (2 deselected)" in selected.stdout, explain(selected)
+    assert "test_marked_builder" in selected.stdout and "test_dist_is_megatron" in selected.stdout, explain(selected)
