@@ -28,13 +28,14 @@ EXTRACTION = [
     ("Thus \\boxed{12}.\n\nThe answer is above.", "12", "boxed"),
     ("so \\boxed{24}.\n\nChallenge: Is it a coincidence that the answer is 24?", "24", "boxed"),
     # 4. answers in prose without a box
-    ("Hence $x \\ge 3$ is the solution.", "[3, \\infty)", "prose_math"),
+    # (extraction keeps an inequality and a name as written; grading reads them: see test_eval_grading_relations)
+    ("Hence $x \\ge 3$ is the solution.", "x \\ge 3", "prose_math"),
     ("The area is $\\frac{1}{2} \\cdot 4 \\cdot 3 = 6$.", "6", "prose_math"),
     ("So the matrix is $\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}$.",
      "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", "prose_math"),
     ("The only solution is (1, 2).", "(1, 2)", "prose_math"),
     ("Total is $5 \\times 3 = 15$ dollars (about $14 \\%$ more).", "15", "prose_math"),
-    ("Therefore $(a, b) = (4, 1)$ works.", "(4, 1)", "prose_math"),
+    ("Therefore $(a, b) = (4, 1)$ works.", "(a, b) = (4, 1)", "prose_math"),
     ("She has $5$ apples and buys 3 more, so 8 in all", "8", "last_number"),
     ("Sophia gave 20 $ to Jack.\nJack now has 100 + 20 = 120$", "120", "last_number"),
     # found by review: remarks after the box do not replace it, prose spans that are not values

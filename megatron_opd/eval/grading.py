@@ -63,7 +63,7 @@ _ANSWER_IS_RE = re.compile(
     r"(?:final answer|the answer|^\s*(?:\*\*)?answer)\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*(.+?)"
     r"(?=\.\s|\.?\s*$|\n|,\s+(?=[A-Za-z])|;\s|\s+(?:since|because|which|as|so|and so|where|when|for)\b)",
     re.IGNORECASE | re.MULTILINE)
-_SEP = r"(?:,|\{,\}|\\,|\\ |\u2009|\u202f|\u00a0)"  # thousands separators
+_SEP = r"(?:,\\!|,|\{,\}|\\,|\\ |\u2009|\u202f|\u00a0)"  # thousands separators
 _CURRENCY_SPACE_NUM = re.compile(r"(?:\\?\$|€|£)\s*(\d{1,3}(?: \d{3})+(?:\.\d+)?)(?![\d\w])")
 _UNIT_SUFFIX = r"(?:cm|mm|km|m|kg|g|mg|s|ms|h|min|ml|L|K|J|N|W|V|Hz)"
 _LAST_NUMBER_RE = re.compile(
@@ -80,25 +80,48 @@ _NUMBER_THEN_UNIT = re.compile(
     r"^(-?(?:\d{1,3}(?:" + _SEP + r"\d{3})+|\d+)(?:\.\d+)?(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?)\s*"
     r"(?!" + _NOT_UNITS + r")(?:[A-Za-z]{2}|[mgsKJNWVAL])[A-Za-z0-9]*(?:[\s./^\-]+[A-Za-z0-9]+)*\.?$")
 _NUMBER_LIST_AND = re.compile(r"-?\d+(?:\.\d+)?(?:\s*,\s*-?\d+(?:\.\d+)?)*\s*,?\s+and\s+-?\d+(?:\.\d+)?")
+_GROUPED_IN_TEXT = re.compile(r"(?<![\d,.])\d{1,3}(?:,\d{3})+(?![\d,])")
 _TRAILING_PERCENT = re.compile(r"(.+?)\s*\\?%")
 _DEGREES = re.compile(r"(.+?)\s*(?:\^\s*\{?\s*\\circ\s*\}?|°|\\degree)")
 _TEXT_GROUPS = re.compile(r"\\(?:text|textbf|textit|mathrm|mbox|operatorname|mathbf)\s*\{[^{}]*\}")
 _COMMANDS = re.compile(r"\\[A-Za-z]+")
 _ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*(?:=|\\in\b)\s*(?=[^=]+$)")
-# a name that an answer may be given under: x, x_1, f(x), g(x, y), (a, b), (x_1, y_1)
 _VAR = r"[A-Za-z](?:_\{?\w+\}?)?"
-_NAME = (r"(?:" + _VAR + r"(?:\s*\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")*\s*\))?"
-         r"|\(\s*" + _VAR + r"(?:\s*,\s*" + _VAR + r")+\s*\))")
+# A name that an answer may be given under, and only a name: a variable (x, x_1, AB, \theta, v_{max}, f'),
+# a function of variables or numbers (f(x), g(x, y), f(3), P(A)), an angle, segment, area or \text{} name,
+# a sum of such (m + n: AIME's "find m + n"), or a tuple of names ((a, b)). No digit, coefficient or minus
+# sign: 2x + z, a + 3z and x - y are expressions, and "2x + z = 1" is an equation, not the answer 1 under
+# a name. Each piece starts with a letter or a backslash, so the pattern cannot split a run two ways.
+_GREEK = (r"\\(?:alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|"
+          r"xi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|"
+          r"Omega)(?![A-Za-z])\s*")
+_FACTOR = r"(?:[A-Za-z]|" + _GREEK + r")(?:_(?:\{[^{}=]*\}|\d+|[A-Za-z]))?'*"
+_TERM = r"(?:" + _FACTOR + r")+"
+_ARG = r"(?:" + _TERM + r"|-?\d+(?:\.\d+)?)"
+_SUMMAND = (r"(?:(?:m\s*)?\\(?:measuredangle|angle)\s*[A-Z]{1,3}|\\overline\{[A-Z]{2}\}|\[[A-Z]{3,}\]"
+            r"|\\(?:text|mathrm)\{[A-Za-z][A-Za-z ]*\}"
+            r"|" + _TERM + r"(?:\s*\(\s*" + _ARG + r"(?:\s*,\s*" + _ARG + r")*\s*\))?)")
+_NAME = (r"(?:" + _SUMMAND + r"(?:\s*\+\s*" + _SUMMAND + r")*"
+         r"|\(\s*" + _SUMMAND + r"(?:\s*,\s*" + _SUMMAND + r")+\s*\))")
 _NAME_LEFT = re.compile(r"^\s*" + _NAME + r"\s*=\s*(?P<rest>[^=]+)$")
-_NAME_RIGHT = re.compile(r"^(?P<rest>[^=]+?)\s*=\s*" + _NAME + r"\s*$")
+_NAME_RIGHT = re.compile(r"^(?P<rest>[^=]*[^=<>!\\\s])\s*=\s*" + _NAME + r"\s*$")  # not "3 >= x"
 _WORDS = re.compile(r"[A-Za-z]+(?:\s+[A-Za-z]+)*")
 _WHOLE_TEXT = re.compile(r"^\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}$")
 _PERCENT_WORD = re.compile(r"(\d)\s*(?:\\text\{\s*)?(?:percent|per\s+cent|pct)\b\}?", re.IGNORECASE)
 _LE = r"(?:\\leqslant|\\leq?(?![A-Za-z])|<=|≤)"  # not \left
 _GE = r"(?:\\geqslant|\\geq?(?![A-Za-z])|>=|≥)"
-_CHAIN = re.compile(r"^\s*(?P<a>[^<>=≤≥]+?)\s*(?P<o1>" + _LE + r"|<)\s*" + _VAR
-                    + r"\s*(?P<o2>" + _LE + r"|<)\s*(?P<b>[^<>=≤≥]+?)\s*$")
-_ONE_SIDE = re.compile(r"^\s*" + _VAR + r"\s*(?P<op>" + _LE + r"|" + _GE + r"|<|>)\s*(?P<v>[^<>=≤≥]+?)\s*$")
+_LT = r"(?:<|\\lt(?![A-Za-z]))"
+_GT = r"(?:>|\\gt(?![A-Za-z]))"
+_INEQ_OP = r"(?:" + _LE + r"|" + _GE + r"|" + _LT + r"|" + _GT + r")"
+_BOUND = r"[^<>=≤≥]*[^<>=≤≥\s]"  # one side of an inequality: no comparison in it, no trailing space
+_SIGNED_VAR = r"(?P<neg>-\s*)?(?P<var>" + _VAR + r")"
+_CHAIN = re.compile(r"^\s*(?P<a>" + _BOUND + r")\s*(?P<o1>" + _INEQ_OP + r")\s*" + _SIGNED_VAR
+                    + r"\s*(?P<o2>" + _INEQ_OP + r")\s*(?P<b>" + _BOUND + r")\s*$")
+_VAR_FIRST = re.compile(r"^\s*" + _SIGNED_VAR + r"\s*(?P<op>" + _INEQ_OP + r")\s*(?P<v>" + _BOUND + r")\s*$")
+_VAR_LAST = re.compile(r"^\s*(?P<v>" + _BOUND + r")\s*(?P<op>" + _INEQ_OP + r")\s*" + _SIGNED_VAR + r"\s*$")
+_MEMBER = re.compile(r"^\s*(?P<var>" + _VAR + r")\s*\\in(?![A-Za-z])")
+_FLIP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}
+_SIGNED_TERM = re.compile(r"-?\s*(?:\d+(?:\.\d+)?|\\infty|\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|\\sqrt\{[^{}]*\}|[A-Za-z])")
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _NUM_TUPLE = re.compile(r"(?<![\w\\])([(\[]\s*-?[\d.]+(?:\s*,\s*-?[\d.]+)+\s*[)\]])")
 _BOX_CONNECTOR = re.compile(r"^(?:\s|\$|,|;|\\quad|\\qquad|\\,|\\text\{\s*(?:and|or)\s*\}|\band\b|\bor\b|"
@@ -108,6 +131,16 @@ _ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:
 _SCRIPTS = re.compile(r"[_^]\s*(?:\{[^{}]*\}|\w)")  # x_2, m^3, S_{10}: not values
 _EQ = re.compile(r"(?<![<>!\\=])=(?!=)")
 _HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
+_TURN_MARKER = (r"(?:<\|(?:im_start|im_end|endoftext|eot_id|eot|start_header_id|end_header_id|begin_of_text|user|"
+                r"assistant|system|end)\|>|<(?:start|end)_of_turn>)")
+_LEADING_TURNS = re.compile(r"(?:\s*" + _TURN_MARKER + r"(?:[ \t]*(?:user|assistant|system|model)\b)?)*")
+_LIST_WORDS = re.compile(r"\\text\{\s*(?:or|and)\s*\}|\\q?quad|\b(?:or|and)\b")
+_REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}")
+_DOLLARS = re.compile(r"(?<!\\)\$\$?")
+_FINAL_WORDS = re.compile(r"final answer", re.IGNORECASE)
+_HOPE_WORDS = re.compile(r"I hope it is correct\.?", re.IGNORECASE)
+_SUBJECT_VERB = re.compile(r"\s(?:is|are|was|were|equals|must be|will be|comes to)\s", re.IGNORECASE)
+_GROUPED_TAIL = re.compile(r"(?:\\?\$|€|£)?\s*-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 @dataclass(frozen=True)
@@ -213,17 +246,59 @@ def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
     m = matches[-1]
     if m.group(1).rstrip().endswith("?") or text[m.end(1):m.end(1) + 1] == "?":
         return None  # "Is it a coincidence that the answer is 24?" asks, it does not answer
-    ans = m.group(1).replace("**", "")  # markdown bold
+    ans = m.group(1)
+    if len(re.findall(r"(?<!\\)\$\$?", ans)) % 2:  # a clause stop inside "$AB = 4, CD = 5$": to the span's end
+        close = _DOLLARS.search(text, m.end(1))
+        if close and "\n" not in text[m.end(1):close.start()]:
+            ans = text[m.start(1):close.end()]
+    ans = ans.replace("**", "")  # markdown bold
     ans = _HOPE.sub("", ans)
     while True:
         peeled = _ANSWER_LEAD.sub("", ans, count=1)
         if peeled == ans:
             break
         ans = peeled
-    ans = ans.strip()
+    ans = _subject_value(ans.strip())
     while ans.endswith(")") and ans.count(")") > ans.count("("):  # "(...; here the answer is 21.)"
         ans = ans[:-1].rstrip(" .")
     return (ans, m.start()) if _clean(ans) else None
+
+
+def _bare_math(ans: str) -> bool:
+    """Whether `ans` reads as math, not prose: a digit or LaTeX in it, no two words in a row."""
+    return bool(re.search(r"[\d\\]", ans)) and not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", _bare(ans))
+
+
+def _subject_value(ans: str) -> str:
+    """An answer stated with its subject is its value: "The largest $n$ is 34" -> ``34``, "the volume of
+    $ABCDEFGH$ is 120" -> ``120``, "There are 12 ways" -> ``12 ways`` (the unit rule drops the word). The
+    subject must have a word in it and the value must read as math; anything else is returned unchanged."""
+    verbs = list(_SUBJECT_VERB.finditer(ans))
+    if not verbs or _bare_math(ans):
+        return ans
+    subject, value = ans[:verbs[-1].start()], ans[verbs[-1].end():].strip()
+    if not re.search(r"[A-Za-z]{2,}", _bare(_MATH_SPAN.sub(" ", subject))) or "=" in subject:
+        return ans
+    return value if _bare_math(normalize_answer(value)) else ans
+
+
+def _response_end(text: str) -> str:
+    """The response up to where the model stopped answering: the first chat-turn marker after its text
+    (``... is 19. <|im_start|>user ...`` runs on into a made-up turn) and the end of Minerva's closing line
+    "Final Answer: ... I hope it is correct." (what follows is the model writing the next few-shot problem,
+    with its own final answer)."""
+    start = _LEADING_TURNS.match(text).end()
+    marker = re.compile(_TURN_MARKER).search(text, start)
+    if marker:
+        text = text[:marker.start()]
+    offset = 0
+    for line in text.splitlines(keepends=True):  # line by line: linear in the length of the text
+        final = _FINAL_WORDS.search(line)
+        hope = _HOPE_WORDS.search(line, final.end()) if final else None
+        if hope and offset + final.start() >= start:
+            return text[:offset + hope.end()]
+        offset += len(line)
+    return text
 
 
 def _bare(s: str) -> str:
@@ -245,7 +320,7 @@ def _in_parentheses(text: str, pos: int) -> bool:
     return prose.count("(") > prose.count(")")
 
 
-_FINAL_LINE = re.compile(r"^\s*(?:\*\*)?\s*final answer\b", re.IGNORECASE | re.MULTILINE)
+_FINAL_LINE = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?final answer\b", re.IGNORECASE | re.MULTILINE)
 
 
 def _final_line_answer(text: str, phrase: tuple[str, int], after: int) -> bool:
@@ -256,7 +331,7 @@ def _final_line_answer(text: str, phrase: tuple[str, int], after: int) -> bool:
     line = _FINAL_LINE.search(text, after)
     if line is None or not line.start() <= start <= line.end() + 1 or _BOX_RE.search(ans):
         return False
-    return bool(re.search(r"[\d\\]", ans)) and not re.search(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}", _bare(ans))
+    return _bare_math(ans)
 
 
 def _prose_answer(text: str) -> Optional[str]:
@@ -270,8 +345,8 @@ def _prose_answer(text: str) -> Optional[str]:
         if (re.search(r"\d", _SCRIPTS.sub(" ", _TEXT_GROUPS.sub(" ", content)))
                 and not re.search(r"\d", _PAREN_REMARK.sub(" ", text[m.end():]))
                 and not re.search(r"\d", sentence)):
-            if "=" in content and not re.search(_LE + "|" + _GE + "|[<>]", content):
-                content = content.rsplit("=", 1)[1].strip()
+            if _EQ.search(content) and not re.search(_INEQ_OP, content):
+                content = _computed(content) or content  # "y = 2x + 1", "2x + z = 1" stay as written
             if content:
                 return content
     tuples = list(_NUM_TUPLE.finditer(text))
@@ -282,21 +357,23 @@ def _prose_answer(text: str) -> Optional[str]:
 
 def extract_answer(text: str) -> Extraction:
     """The model's final answer, by the first rule that matches (see module docstring)."""
+    text = _response_end(text)
     boxes = _boxes(text)
     phrase = _answer_phrase(text)
     if boxes:
         if phrase is not None and phrase[1] >= boxes[-1][2] and _final_line_answer(text, phrase, boxes[-1][2]):
-            return Extraction(normalize_answer(phrase[0]), "answer_is")  # a final-answer line after the boxes
+            return Extraction(normalize_answer(phrase[0], True), "answer_is")  # a final-answer line after the boxes
         return Extraction(extract_boxed(text), "boxed")
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
         if tail:
-            return Extraction(_clean(tail).replace(",", ""), "hashes")
+            tail = _clean(tail)  # "#### 1,800" is 1800; "#### (1,5)" and "#### 1, 5" keep their commas
+            return Extraction(tail.replace(",", "") if _GROUPED_TAIL.fullmatch(tail) else tail, "hashes")
     if phrase is not None:
-        return Extraction(normalize_answer(phrase[0]), "answer_is")
+        return Extraction(normalize_answer(phrase[0], True), "answer_is")
     prose = _prose_answer(text)
     if prose is not None:
-        return Extraction(normalize_answer(prose), "prose_math")
+        return Extraction(normalize_answer(prose, True), "prose_math")
     number = _last_number(text)
     if number is not None:
         return Extraction(number, "last_number")
@@ -307,24 +384,33 @@ def extract_answer(text: str) -> Extraction:
 # normalisation and guards
 
 
-def normalize_answer(ans: str) -> str:
-    """Rewrite formatting that math-verify misreads or that carries no meaning (see module docstring).
-    Idempotent; applied to gold and prediction alike."""
-    s = ans.strip()
-    s = re.sub(r"(?<!\\)\$", "", s)
+def _unwrap(ans: str) -> str:
+    """`ans` without math delimiters (``$``, ``\\(...\\)``, ``\\[...\\]``) and a closing full stop."""
+    s = re.sub(r"(?<!\\)\$", "", ans.strip())
     for left, right in (("\\(", "\\)"), ("\\[", "\\]")):
         if s.startswith(left) and s.endswith(right):
             s = s[2:-2]
-    s = s.strip().rstrip(".").strip()
+    return s.strip().rstrip(".").strip()
+
+
+def normalize_answer(ans: str, keep_relation: bool = False) -> str:
+    """Rewrite formatting that math-verify misreads or that carries no meaning (see module docstring).
+    Idempotent; applied to gold and prediction alike. `keep_relation` (extraction) keeps a name, an
+    inequality and a set membership as written (``y = 2x + 1``, ``x \\ge 3``), so that grading can hold
+    them to their gold (``2x - y + 1 = 0``; not ``y \\ge 3``)."""
+    s = _unwrap(ans)
     s = re.sub(r",\\!\s*", ",", s).replace("\\!", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(r"^\s*[A-Za-z]\s*\\in(?![A-Za-z])\s*", "", s)  # "x \\in [-2, 7]" states the set [-2, 7]
+    if not keep_relation:
+        s = re.sub(r"^\s*[A-Za-z]\s*\\in(?![A-Za-z])\s*", "", s)  # "x \\in [-2, 7]" states the set [-2, 7]
     m = _WHOLE_TEXT.match(s)
     if m:
         s = m.group(1).strip()
     s = _plain_math(s)
     s = _PERCENT_WORD.sub(r"\1\\%", s)
-    s = _interval(s)
-    named = _named(s)
+    named = None if keep_relation else _named(s)
+    if not keep_relation:
+        s = _interval(s)
+        named = _named(s)
     if named is not None and named[1]:
         s = named[1]
     m = _NUMBER_THEN_UNIT.match(s)
@@ -332,18 +418,33 @@ def normalize_answer(ans: str) -> str:
         s = m.group(1)
     if re.fullmatch(r"-?\d{1,3}(?:" + _SEP + r"\d{3})+(?:\.\d+)?", s):
         s = re.sub(_SEP, "", s)
-    if _NUMBER_LIST_AND.fullmatch(s):
-        s = re.sub(r"\s*,?\s+and\s+", ", ", s)
+    listed = _GROUPED_IN_TEXT.sub(lambda g: g.group(0).replace(",", ""), s)  # "1,000 and 2,000"
+    if _NUMBER_LIST_AND.fullmatch(listed):
+        s = re.sub(r"\s*,?\s+and\s+", ", ", listed)
     m = _DEGREES.fullmatch(s)
-    if m and re.fullmatch(r"-?\d+(?:\.\d+)?", m.group(1).strip()):
-        s = m.group(1).strip()
+    if m and _plain_number(m.group(1)) is not None:  # "30^\\circ", "1,080°"
+        s = _plain_number(m.group(1))
+    m = _REPEATING.fullmatch(s)
+    if m:  # 0.\\overline{3} = 1/3, 1.2\\overline{45} = (12345 - 123) / 9900
+        sign, whole, fixed, period = m.groups()
+        den = (10 ** len(period) - 1) * 10 ** len(fixed)
+        s = f"{sign}\\frac{{{int(whole + fixed + period) - int(whole + fixed or '0')}}}{{{den}}}"
+    s = re.sub(r"\\varnothing|\\\{\s*\\\}", r"\\emptyset", s)
     m = _E_NOTATION.match(s)
     if m:
         s = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
     m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z][A-Za-z\s./^-]*\}\s*", s)
-    if m and re.fullmatch(r"-?[\d.]+", m.group(1)):
-        s = m.group(1)
+    if m and _plain_number(m.group(1)) is not None:
+        s = _plain_number(m.group(1))
     return s.strip()
+
+
+def _plain_number(s: str) -> Optional[str]:
+    """A plain decimal number (thousands separators allowed: ``1,080``) without its separators; else None."""
+    s = s.strip()
+    if re.fullmatch(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+", s):
+        return s.replace(",", "")
+    return None
 
 
 def _plain_math(s: str) -> str:
@@ -355,25 +456,60 @@ def _plain_math(s: str) -> str:
     return s.replace("**", "^").strip()
 
 
-def _interval(s: str) -> str:
-    """A one-variable inequality as the interval it states: ``-1 \\le x < 4`` -> ``[-1, 4)``, ``x \\ge 3`` ->
-    ``[3, \\infty)``."""
+def _op_kind(op: str) -> str:
+    for kind, pattern in (("le", _LE), ("ge", _GE), ("lt", _LT), ("gt", _GT)):
+        if re.fullmatch(pattern, op):
+            return kind
+    raise ValueError(op)
+
+
+def _negate(v: str) -> str:
+    v = v.strip()
+    if _SIGNED_TERM.fullmatch(v):
+        return v[1:].strip() if v.startswith("-") else "-" + v
+    return f"-({v})"
+
+
+def _inequality(s: str) -> Optional[tuple[str, str]]:
+    """(variable, interval) of a one-variable inequality, in either orientation: ``-1 \\le x < 4`` ->
+    ``[-1, 4)``; ``x \\ge 3``, ``3 \\le x`` -> ``[3, \\infty)``; ``4 > x > 1`` -> ``(1, 4)``; ``-x > -1`` ->
+    ``(-\\infty, 1)`` (a negated variable flips the comparison). None for anything else (``x < 1 < 2``,
+    ``2x > 6``, ``1 < x > 2``)."""
     m = _CHAIN.match(s)
     if m:
-        lo = "[" if re.fullmatch(_LE, m.group("o1")) else "("
-        hi = "]" if re.fullmatch(_LE, m.group("o2")) else ")"
-        return f"{lo}{m.group('a').strip()}, {m.group('b').strip()}{hi}"
-    m = _ONE_SIDE.match(s)
-    if m:
-        op, v = m.group("op"), m.group("v").strip()
-        if re.fullmatch(_GE, op):
-            return f"[{v}, \\infty)"
-        if op == ">":
-            return f"({v}, \\infty)"
-        if re.fullmatch(_LE, op):
-            return f"(-\\infty, {v}]"
-        return f"(-\\infty, {v})"
-    return s
+        a, b, o1, o2 = m.group("a").strip(), m.group("b").strip(), _op_kind(m.group("o1")), _op_kind(m.group("o2"))
+        if m.group("neg"):
+            a, b, o1, o2 = _negate(a), _negate(b), _FLIP[o1], _FLIP[o2]
+        if o1 in ("gt", "ge") and o2 in ("gt", "ge"):
+            a, b, o1, o2 = b, a, _FLIP[o2], _FLIP[o1]
+        if o1 not in ("lt", "le") or o2 not in ("lt", "le") or re.search(_INEQ_OP, a + " " + b):
+            return None
+        return canonical_text(m.group("var")), f"{'[' if o1 == 'le' else '('}{a}, {b}{']' if o2 == 'le' else ')'}"
+    m = _VAR_FIRST.match(s) or _VAR_LAST.match(s)
+    if m is None or re.search(_INEQ_OP, m.group("v")):
+        return None
+    op, v = _op_kind(m.group("op")), m.group("v").strip()
+    if m.re is _VAR_LAST:
+        op = _FLIP[op]
+    if m.group("neg"):
+        op, v = _FLIP[op], _negate(v)
+    interval = {"ge": f"[{v}, \\infty)", "gt": f"({v}, \\infty)", "le": f"(-\\infty, {v}]", "lt": f"(-\\infty, {v})"}
+    return canonical_text(m.group("var")), interval[op]
+
+
+def _interval(s: str) -> str:
+    """A one-variable inequality as the interval it states (see `_inequality`); anything else unchanged."""
+    found = _inequality(s)
+    return found[1] if found else s
+
+
+def _compared_variable(s: str) -> Optional[str]:
+    """The variable an inequality or a set membership (``x \\in [1, 2]``) speaks of; None without one."""
+    found = _inequality(s)
+    if found:
+        return found[0]
+    m = _MEMBER.match(s)
+    return canonical_text(m.group("var")) if m else None
 
 
 _UNIT_NAMES = {"centimeter": "cm", "millimeter": "mm", "kilometer": "km", "meter": "m", "metre": "m",
@@ -393,12 +529,56 @@ def _named(ans: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def _value_side(ans: str) -> str:
-    """The value of an equation: the side that is not a name, else the right-hand side."""
+def _value_side(ans: str) -> Optional[str]:
+    """The value an equation states: the side that is not a name (``x = 3``, ``5 = y``, ``m + n = 17``), or
+    the last side of a computation whose last side names no variable (``3 \\times 4 = 12``,
+    ``x = 2 + 3 = 5``, ``A = \\pi r^2 = 25\\pi``). None for an equation between expressions (``2x + z = 1``,
+    ``7 = 11a + c``): it states a relation, and no bare value equals it."""
     named = _named(ans)
     if named is not None:
         return named[1]
-    return _EQ.split(ans)[-1].strip() or ans
+    sides = [side.strip() for side in _EQ.split(ans)]
+    if len(sides) < 2 or not all(sides) or symbol_letters(sides[-1]):
+        return None
+    if len(sides) > 2 or not symbol_letters(sides[0]):
+        return sides[-1]
+    return None
+
+
+def _computed(ans: str) -> Optional[str]:
+    """The result of a computation written as an equation: its last side, when that names no variable and
+    the answer is not a name alone with its value (``\\frac12 \\cdot 4 \\cdot 3 = 6``,
+    ``x = \\left(\\frac12\\right)^2 = \\frac14``); else None (``x = 5``, ``y = 2x + 1`` and ``2x + z = 1`` are answers
+    as they stand)."""
+    if _named(ans) is not None:
+        return None
+    return _value_side(ans)
+
+
+def _split_top(ans: str) -> list[str]:
+    """`ans` split at the commas and semicolons outside brackets and braces."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(ans):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c in ",;" and depth == 0:
+            parts.append(ans[start:i].strip())
+            start = i + 1
+    return parts + [ans[start:].strip()]
+
+
+def _named_list(ans: str) -> Optional[list[tuple[str, str]]]:
+    """[(name, value), ...] of a list whose every item is named (``AB=4, CD=5``; ``x=1 \\text{ or } x=2``);
+    else None."""
+    parts = [p for p in _split_top(_LIST_WORDS.sub(",", ans)) if p]
+    if len(parts) < 2:
+        return None
+    named = [_named(p) for p in parts]
+    if not all(named):
+        return None
+    return [(canonical_text(n), v) for n, v in named]
 
 
 def answer_unit(ans: str) -> Optional[str]:
@@ -406,7 +586,7 @@ def answer_unit(ans: str) -> Optional[str]:
     ``m^2``, ``m``), spelled one way; None without one."""
     s = re.sub(r"(?<!\\)\$", "", ans).replace("\\,", " ").replace("\\ ", " ").strip().rstrip(".").strip()
     if _EQ.search(s):
-        s = _value_side(s)
+        s = _value_side(s) or s
     m = re.fullmatch(r"(.+?)\s*\\(?:text|mathrm|mbox)\s*\{\s*([A-Za-z][A-Za-z\s./-]*)\}\s*"
                      r"(\^\s*\{?\s*\d+\s*\}?)?\s*", s)
     if m and re.fullmatch(r"-?[\d.,]+(?:\s*(?:\\times|\\cdot)\s*10\^\{?-?\d+\}?)?", m.group(1).strip()):
@@ -436,7 +616,8 @@ def symbol_letters(ans: str) -> set[str]:
 def canonical_text(ans: str) -> str:
     """The answer's text without spacing and sizing commands, with ``\\frac13`` and ``E_{1}`` spelled one
     way (a space that ends a command name before a letter is kept: ``\\pi t`` is not ``\\pit``)."""
-    s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])|\\[,;:! ]", "", ans)
+    s = re.sub(r"\\\\|\\(?:left|right|big|Big|bigg|Bigg)(?![A-Za-z])|\\[,;:! ]",
+               lambda m: m.group(0) if m.group(0) == "\\\\" else "", ans)  # a matrix row break is kept
     s = re.sub(r"\\frac\s*(\w)\s*(\w)", r"\\frac{\1}{\2}", s)  # \frac13 -> \frac{1}{3}
     s = re.sub(r"([_^])\{\s*(\w)\s*\}", r"\1\2", s)  # E_{1} -> E_1
     return re.sub(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
@@ -448,6 +629,9 @@ def _timeout(seconds: Optional[int]) -> Optional[int]:
 
 
 def _parse(expr: str, timeout_s: Optional[int]) -> list:
+    """math-verify's parse of `expr`, spaces taken out first: it reads a letter after a space as a unit and
+    drops it (``3 + t`` parses to nothing, ``3a + t`` to 3)."""
+    expr = canonical_text(expr)
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
 
 
@@ -485,19 +669,124 @@ def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact
             and _equivalent(gold, pred, timeout_s, exact_shortcut, rel_tol, abs_tol))
 
 
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _thousands_by_shape(ans: str, other: str) -> str:
+    """``1,500`` is the number 1500 (`normalize_answer`) unless the other answer is a list of as many items
+    (``1, 500``): then it is that list. The other answer's shape decides, as a reader would."""
+    if _GROUPED.fullmatch(ans) and len(_split_top(other)) == ans.count(",") + 1:
+        return ans.replace(",", ", ")
+    return ans
+
+
+def _enclosed(s: str) -> Optional[str]:
+    """The inside of ``( ... )`` when those parentheses enclose all of `s`; else None."""
+    if not (s.startswith("(") and s.endswith(")")):
+        return None
+    depth = 0
+    for i, c in enumerate(s):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and i < len(s) - 1:
+            return None
+    return s[1:-1]
+
+
+def _named_lists_equivalent(pred: str, gold: str, lists: tuple, same) -> bool:
+    """Named multi-answers. Both named: the same names, each with an equivalent value (``AB=4, CD=5`` is
+    ``CD=5, AB=4``). One named, the other a bare list or tuple: the values in the order given (``AB=4, CD=5``
+    is ``4, 5``, not ``5, 4``). One name throughout (``x=1, x=2``): the values as an unordered multi-answer."""
+    a, b = lists
+    if a and b:
+        if sorted(n for n, _ in a) != sorted(n for n, _ in b):
+            return False
+        if len({n for n, _ in a}) == 1:
+            return same(", ".join(v for _, v in a), ", ".join(v for _, v in b))
+        if len({n for n, _ in a}) != len(a):
+            return False
+        values = dict(b)
+        return all(same(v, values[n]) for n, v in a)
+    named, bare = (a, gold) if a else (b, pred)
+    values = [v for _, v in named]
+
+    def check(v: str, other: str) -> bool:
+        return same(v, other) if a else same(other, v)
+
+    if len({n for n, _ in named}) == 1:
+        return check(", ".join(values), bare)
+    bare = normalize_answer(bare)
+    parts = _split_top(bare)
+    if len(parts) == 1 and _enclosed(bare) is not None:
+        parts = _split_top(_enclosed(bare))
+    return len(parts) == len(values) and all(check(v, p) for v, p in zip(values, parts))
+
+
+def _equation_sides(ans: str) -> Optional[list[str]]:
+    """The two sides of an answer that is one equation (no list, inequality or membership); else None."""
+    if len(ans) > 300 or re.search(_INEQ_OP + r"|\\in(?![A-Za-z])|\\ne", ans) or len(_split_top(ans)) > 1:
+        return None
+    sides = [side.strip() for side in _EQ.split(ans)]
+    return sides if len(sides) == 2 and all(sides) else None
+
+
+def _same_equation(pred: str, gold: str, timeout_s: Optional[int]) -> bool:
+    """Whether two equations state the same relation: over the same variables, (left - right) of one is a
+    nonzero constant times the other's (``y = -\\frac{1}{2}x + \\frac{3}{4}`` and ``2x + 4y - 3 = 0``; ``x = 5``
+    and ``2x = 10``; not ``x = 5`` and ``y = 5``, not ``x^2 = 4`` and ``x = 2``)."""
+    sides = _equation_sides(pred), _equation_sides(gold)
+    if not all(sides):
+        return False
+    forms = []
+    for left, right in sides:
+        try:
+            parsed = [_parse(normalize_answer(side), timeout_s) for side in (left, right)]
+        except Exception:  # noqa: BLE001 - an unparsable side is not an equation we can compare
+            return False
+        if not all(p and isinstance(p[0], sympy.Expr) for p in parsed):
+            return False
+        if any(symbol_letters(side) and not p[0].free_symbols for side, p in zip((left, right), parsed)):
+            return False  # a lossy parse dropped the variables
+        forms.append(parsed[0][0] - parsed[1][0])
+    f, g = forms
+    if not f.free_symbols or f.free_symbols != g.free_symbols:
+        return False
+    try:
+        ratio = sympy.cancel(f / g)
+    except Exception:  # noqa: BLE001 - sympy raises many types on exotic expressions
+        return False
+    return bool(ratio.is_number and not ratio.free_symbols and ratio != 0 and ratio.is_finite)
+
+
 def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: bool, rel_tol: float,
                 abs_tol: float) -> bool:
-    pred, gold = _clean(pred), _clean(gold)
+    def same(p: str, g: str) -> bool:
+        return _equivalent(p, g, timeout_s, exact_shortcut, rel_tol, abs_tol)
+
+    pred, gold = _unwrap(pred), _unwrap(gold)
+    lists = _named_list(pred), _named_list(gold)
+    if any(lists):  # "AB=4, CD=5" against "4, 5" or "CD=5, AB=4"
+        return _named_lists_equivalent(pred, gold, lists, same)
+    pred, gold = _thousands_by_shape(pred, gold), _thousands_by_shape(gold, pred)
+    if _same_equation(pred, gold, timeout_s):  # "y = -\\frac12 x + \\frac34" is "2x + 4y - 3 = 0"
+        return True
+    variables = _compared_variable(pred), _compared_variable(gold)
+    if all(variables) and variables[0] != variables[1]:
+        return False  # "y > 3" is not "x > 3"
     names = _named(pred), _named(gold)
     if all(names) and canonical_text(names[0][0]) != canonical_text(names[1][0]):
         return False  # "y=3" is not "x=3", "(b,a)=(4,1)" is not "(a,b)=(4,1)"
     if bool(_EQ.search(pred)) != bool(_EQ.search(gold)):  # "m+n=17", "AB = 5" against a bare "17", "5"
-        pred, gold = (_value_side(pred), gold) if _EQ.search(pred) else (pred, _value_side(gold))
+        value = _value_side(pred if _EQ.search(pred) else gold)
+        if value is None:
+            return False  # "2x + z = 1" is an equation; the bare "1" is not equal to it
+        pred, gold = (value, gold) if _EQ.search(pred) else (pred, value)
     units = answer_unit(pred), answer_unit(gold)
     if all(units) and units[0] != units[1]:  # both name a unit: "5 cm" is not "5 m" (one alone may omit it)
         return False
     wrapped = bool(_WHOLE_TEXT.match(pred) or _WHOLE_TEXT.match(gold))
     pred, gold = normalize_answer(pred), normalize_answer(gold)
+    if bool(_EQ.search(pred)) != bool(_EQ.search(gold)):
+        return False  # an equation left after names are dropped (math-verify would compare its right side)
     words = _WORDS.fullmatch(pred), _WORDS.fullmatch(gold)
     if all(words) and (wrapped or min(len(pred), len(gold)) >= 4):  # "no" vs "on" are words, not products
         return (pred.split() == gold.split()) if max(len(pred), len(gold)) == 1 else \
