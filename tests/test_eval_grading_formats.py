@@ -215,15 +215,41 @@ def test_grade_audit_labelled_reports_agreement_per_category(tmp_path, capsys):
     f = _write(tmp_path / "labels.jsonl", rows)
     assert main(["--labelled", str(f), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "| phrases | 2 | 100.00% | 0 | 0 | 0 |" in out
-    assert "| named | 1 | 100.00% | 0 | 0 | 0 |" in out
-    assert "| units | 2 | 0.00% | 1 | 1 | 0 |" in out
-    assert "| ALL | 5 | 60.00% | 1 | 1 | 0 |" in out
-    assert "units: false accept" in out and '"line": 5' in out
-    assert "units: false reject" in out and '"line": 4' in out
+    assert "| phrases | 2 | 0 | 100.00% | 0 | 0 |" in out
+    assert "| named | 1 | 0 | 100.00% | 0 | 0 |" in out
+    assert "| units | 2 | 1 | 0.00% | 1 | 0 |" in out
+    assert "| ALL | 5 | 1 | 60.00% | 1 | 0 |" in out
+    assert "1 false accepts" in out and "1 false rejects" in out and '"line": 5' in out and '"line": 4' in out
     saved = json.loads((tmp_path / "out" / "labelled_audit.json").read_text())
-    assert saved[-1]["category"] == "ALL" and saved[-1]["agreement"] == 0.6
+    assert saved[-1]["category"] == "ALL" and saved[-1]["agreement"] == 0.6 and saved[-1]["seconds_max"] < 5
     assert main(["--labelled", str(f), "--min-agreement", "0.9"]) == 1
+    assert main(["--labelled", str(f), "--max-false-accepts", "0"]) == 1
+    assert main(["--labelled", str(f), "--max-false-accepts", "1"]) == 0
+
+
+def test_grade_audit_labelled_reports_false_accepts_first_by_category(tmp_path, capsys):
+    """Issue 39: a false accept inflates every reported accuracy, so the report leads with them, grouped by
+    category with the category that has most first, before any false reject; the table is ordered the same
+    way and puts the false accepts next to the case count."""
+    from megatron_opd.eval.audit import main
+
+    rows = [
+        {"gold": "7", "prediction": "8", "label": True, "category": "aaa"},                # a false reject
+        {"gold": "b - 2w = 0", "prediction": "0", "label": True, "category": "aaa"},       # a false reject
+        {"gold": "5", "prediction": "5", "label": False, "category": "zzz"},                # a false accept
+        {"gold": "6", "prediction": "6", "label": False, "category": "zzz"},                # a false accept
+        {"gold": "x > 3", "prediction": "3 < x", "label": False, "category": "mmm"},       # a false accept
+        {"gold": "x > 3", "prediction": "y > 3", "label": False, "category": "mmm"},       # agrees
+    ]
+    f = _write(tmp_path / "labels.jsonl", rows)
+    assert main(["--labelled", str(f)]) == 0
+    out = capsys.readouterr().out
+    fa, fr = out.index("3 false accepts"), out.index("2 false rejects")
+    assert fa < fr < out.index("| category |")
+    assert fa < out.index("  zzz: 2") < out.index("  mmm: 1") < fr < out.index("  aaa: 2")
+    table = out[out.index("| category |"):]
+    assert table.index("| zzz | 2 | 2 |") < table.index("| mmm | 2 | 1 |") < table.index("| aaa | 2 | 0 |") \
+        < table.index("| ALL | 6 | 3 |")
 
 
 @pytest.mark.parametrize("row,message", [

@@ -11,11 +11,12 @@ in seconds on any machine and tells a user how far to trust the grader on their 
 With ``--labelled FILE`` it measures the grader against a team's own human labels instead: a JSONL file of
 ``{"gold": ..., "prediction": ... | "response": ..., "label": true/false, "category": ... (optional)}``
 (``prediction`` is an extracted answer, ``response`` a whole model response to extract from; ``label`` may
-also be "correct"/"incorrect" or 1/0). It prints agreement per category and every false accept and false
-reject (``--show`` of each per category), so a team can audit the grader on its data before trusting a
-number::
+also be "correct"/"incorrect" or 1/0). It prints the false accepts first (a wrong answer graded correct
+inflates every accuracy the project reports), by category, most first; then the false rejects; then
+agreement per category with the slowest case's grading time (``--show`` examples of each per category), so
+a team can audit the grader on its data before trusting a number::
 
-    megatron-opd grade-audit --labelled my_labels.jsonl [--out DIR] [--min-agreement 0.98]
+    megatron-opd grade-audit --labelled my_labels.jsonl [--out DIR] [--min-agreement 0.98] [--max-false-accepts 0]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -235,6 +237,7 @@ class LabelledResult:
     cases: int = 0
     agree: int = 0
     errors: int = 0
+    seconds_max: float = 0.0
     false_accepts: list[dict] = field(default_factory=list)
     false_rejects: list[dict] = field(default_factory=list)
 
@@ -244,33 +247,52 @@ class LabelledResult:
 
 
 def audit_labelled(cases: list[LabelledCase], timeout_s: Optional[int] = 5) -> list[LabelledResult]:
-    """Grade every case and compare with its label, per category (and "ALL" last)."""
+    """Grade every case and compare with its label, per category (and "ALL" last). Categories come most false
+    accepts first, then by name."""
     by_cat: dict[str, LabelledResult] = {}
     total = LabelledResult("ALL")
     for case in cases:
+        t0 = time.perf_counter()
         if case.is_response:
             g = grade_response(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
         else:
             g = grade_answer(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
+        seconds = time.perf_counter() - t0
         for res in (by_cat.setdefault(case.category, LabelledResult(case.category)), total):
             res.cases += 1
             res.errors += g.status == "error"
+            res.seconds_max = max(res.seconds_max, seconds)
             if g.correct == case.label:
                 res.agree += 1
                 continue
             item = {"line": case.line, "gold": case.gold, ("response" if case.is_response else "prediction"): case.text,
                     "extracted": g.extracted, "status": g.status}
             (res.false_accepts if g.correct else res.false_rejects).append(item)
-    return [by_cat[k] for k in sorted(by_cat)] + [total]
+    ordered = sorted(by_cat.values(), key=lambda r: (-len(r.false_accepts), r.category))
+    return ordered + [total]
 
 
 def labelled_table(results: list[LabelledResult]) -> str:
-    lines = ["| category | cases | agreement | false accepts | false rejects | grader errors |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| category | cases | false accepts | agreement | false rejects | grader errors | slowest case |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r.category} | {r.cases} | {100 * r.agreement:.2f}% | {len(r.false_accepts)} | "
-                     f"{len(r.false_rejects)} | {r.errors} |")
+        lines.append(f"| {r.category} | {r.cases} | {len(r.false_accepts)} | {100 * r.agreement:.2f}% | "
+                     f"{len(r.false_rejects)} | {r.errors} | {r.seconds_max:.2f} s |")
     return "\n".join(lines) + "\n"
+
+
+def labelled_report(results: list[LabelledResult], show: int) -> str:
+    """False accepts first, by category (most first), then false rejects; `show` examples per category."""
+    out = []
+    for title, attr in (("false accepts (graded correct, labelled wrong)", "false_accepts"),
+                        ("false rejects (graded wrong, labelled correct)", "false_rejects")):
+        out.append(f"{len(getattr(results[-1], attr))} {title}")
+        for r in sorted(results[:-1], key=lambda r: (-len(getattr(r, attr)), r.category)):
+            items = getattr(r, attr)
+            if items:
+                out.append(f"  {r.category}: {len(items)}")
+                out += [f"    {json.dumps(item, ensure_ascii=False)}" for item in items[:show]]
+    return "\n".join(out) + "\n"
 
 
 def _write_json(path: Path, data: object) -> None:
@@ -285,15 +307,13 @@ def _main_labelled(args: argparse.Namespace) -> int:
         print(f"megatron-opd grade-audit: {e}", file=sys.stderr)
         return 2
     results = audit_labelled(cases)
-    for r in results[:-1]:
-        for label, items in (("false accept (graded correct, labelled wrong)", r.false_accepts),
-                             ("false reject (graded wrong, labelled correct)", r.false_rejects)):
-            for item in items[:args.show]:
-                print(f"{r.category}: {label}: {json.dumps(item, ensure_ascii=False)}")
+    print(labelled_report(results, args.show))
     print(labelled_table(results))
     if args.out:
         _write_json(Path(args.out) / "labelled_audit.json", [r.__dict__ | {"agreement": r.agreement} for r in results])
-    return 0 if results[-1].agreement >= args.min_agreement else 1
+    total = results[-1]
+    too_many = args.max_false_accepts is not None and len(total.false_accepts) > args.max_false_accepts
+    return 0 if total.agreement >= args.min_agreement and not too_many else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -303,6 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--labelled", default=None, help="JSONL of human-labelled (gold, prediction or response, label)")
     p.add_argument("--min-agreement", type=float, default=0.0,
                    help="--labelled: exit 1 below this overall agreement with the labels")
+    p.add_argument("--max-false-accepts", type=int, default=None,
+                   help="--labelled: exit 1 with more false accepts than this (0: none allowed)")
     p.add_argument("--data-dir", default=None, help="folder holding benchmark files under their default names")
     p.add_argument("--out", default=None, help="write audit.json with every false accept / false reject")
     p.add_argument("--min-accept", type=float, default=0.995, help="exit 1 below this reference accept rate")
