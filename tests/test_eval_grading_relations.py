@@ -52,6 +52,7 @@ def test_an_equation_between_expressions_is_not_its_right_hand_side(pred, gold):
     ("8", "y = 2 + 6 = 8"),               # a chain ending in a value
     ("12\\pi", "A = \\pi r^2 = 12\\pi"),
     ("9", "9 = w"),                       # the name on the right
+    ("\\frac{t+1}{3}", "g^{-1}(t) = \\frac{t+1}{3}"),  # an inverse function
 ])
 def test_an_answer_under_a_name_is_its_value(pred, gold):
     assert both_ways(pred, gold)
@@ -102,6 +103,8 @@ def test_different_equations_stay_different(pred, gold):
     ("10 > s \\ge 3", "[3, 10)"),
     ("-2 \\le -u \\le 4", "[-4, 2]"),
     ("2 \\lt t", "(2, \\infty)"),
+    ("t < -3 \\text{ or } t > 3", "(-\\infty, -3) \\cup (3, \\infty)"),   # a union, one variable throughout
+    ("t > 3 \\text{ or } t < -3", "t < -3 or t > 3"),
 ])
 def test_inequalities_in_the_other_orientation(pred, gold):
     assert both_ways(pred, gold)
@@ -114,6 +117,9 @@ def test_inequalities_in_the_other_orientation(pred, gold):
     ("t > 3", "s > 3"),            # the same set, another variable
     ("3 < t", "3 < s"),
     ("10 > s > 3", "[3, 10)"),
+    ("t < -3 \\text{ or } s > 3", "(-\\infty, -3) \\cup (3, \\infty)"),  # two variables: no union
+    ("t < -3 \\text{ or } t \\ge 3", "(-\\infty, -3) \\cup (3, \\infty)"),
+    ("t < -3 \\text{ or } t > 3", "s < -3 \\text{ or } s > 3"),
 ])
 def test_inequalities_keep_variable_set_and_ends(pred, gold):
     assert not both_ways(pred, gold)
@@ -213,6 +219,8 @@ def test_subject_rule_does_not_fire_on_prose(text, answer):
     ("The answer is 19. <|im_start|>user\nAnd 2+2? The answer is 4.", "19"),
     ("<|im_start|>assistant\nThe answer is 12.<|im_end|>", "12"),
     ("The total is $\\boxed{31}$.<end_of_turn>\n<start_of_turn>user\nThe answer is $\\boxed{5}$", "31"),
+    ("<think>First guess: \\boxed{30}. No, one more.</think>\n\n**Answer:** 31", "31"),  # after the reasoning
+    ("<think>It is \\boxed{31}.</think>", "31"),  # nothing after the reasoning: the reasoning is all there is
 ])
 def test_a_response_ends_where_the_model_stopped_answering(text, gold):
     assert grade_response(text, gold).correct
@@ -235,6 +243,10 @@ def test_hedged_or_continued_answers_are_not_taken_from_the_continuation():
     ("5 + s", "s + 5", True),
     ("4a + t", "t + 4a", True),
     ("3 + t", "4 + t", False),
+    ("\\approx 2.72", "2.72", True),
+    ("\\mathbb{R}", "(-\\infty, \\infty)", True),
+    ("\\text{all real numbers}", "(-\\infty,\\infty)", True),
+    ("\\mathbb{R}", "(0, \\infty)", False),
     ("\\begin{pmatrix}-2\\\\-14\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}", True),  # a row
     ("\\begin{pmatrix}-2\\\\-15\\end{pmatrix}", "\\begin{pmatrix} -2 \\\\ -14 \\end{pmatrix}", False),
 ])
@@ -263,6 +275,8 @@ ADVERSARIAL = {
     "named list": "x=1, " * 6000,
     "dollars": "The answer is $" + "a, " * 6000,
     "repeating": "0." + "1" * 10000 + "\\overline{",
+    "unions": "x < 1 or " * 3000 + "y",
+    "think": "</think>" * 5000 + "a",
 }
 
 

@@ -100,7 +100,7 @@ _TERM = r"(?:" + _FACTOR + r")+"
 _ARG = r"(?:" + _TERM + r"|-?\d+(?:\.\d+)?)"
 _SUMMAND = (r"(?:(?:m\s*)?\\(?:measuredangle|angle)\s*[A-Z]{1,3}|\\overline\{[A-Z]{2}\}|\[[A-Z]{3,}\]"
             r"|\\(?:text|mathrm)\{[A-Za-z][A-Za-z ]*\}"
-            r"|" + _TERM + r"(?:\s*\(\s*" + _ARG + r"(?:\s*,\s*" + _ARG + r")*\s*\))?)")
+            r"|" + _TERM + r"(?:(?:\^\{-1\})?\s*\(\s*" + _ARG + r"(?:\s*,\s*" + _ARG + r")*\s*\))?)")  # f^{-1}(x)
 _NAME = (r"(?:" + _SUMMAND + r"(?:\s*\+\s*" + _SUMMAND + r")*"
          r"|\(\s*" + _SUMMAND + r"(?:\s*,\s*" + _SUMMAND + r")+\s*\))")
 _NAME_LEFT = re.compile(r"^\s*" + _NAME + r"\s*=\s*(?P<rest>[^=]+)$")
@@ -120,6 +120,7 @@ _CHAIN = re.compile(r"^\s*(?P<a>" + _BOUND + r")\s*(?P<o1>" + _INEQ_OP + r")\s*"
 _VAR_FIRST = re.compile(r"^\s*" + _SIGNED_VAR + r"\s*(?P<op>" + _INEQ_OP + r")\s*(?P<v>" + _BOUND + r")\s*$")
 _VAR_LAST = re.compile(r"^\s*(?P<v>" + _BOUND + r")\s*(?P<op>" + _INEQ_OP + r")\s*" + _SIGNED_VAR + r"\s*$")
 _MEMBER = re.compile(r"^\s*(?P<var>" + _VAR + r")\s*\\in(?![A-Za-z])")
+_OR = re.compile(r"\s*(?:\\text\{\s*or\s*\}|\\(?:lor|vee)(?![A-Za-z])|\bor\b)\s*")
 _FLIP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt"}
 _SIGNED_TERM = re.compile(r"-?\s*(?:\d+(?:\.\d+)?|\\infty|\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|\\sqrt\{[^{}]*\}|[A-Za-z])")
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$([^$]+)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
@@ -133,9 +134,12 @@ _EQ = re.compile(r"(?<![<>!\\=])=(?!=)")
 _HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
 _TURN_MARKER = (r"(?:<\|(?:im_start|im_end|endoftext|eot_id|eot|start_header_id|end_header_id|begin_of_text|user|"
                 r"assistant|system|end)\|>|<(?:start|end)_of_turn>)")
+_TURN = re.compile(_TURN_MARKER)
 _LEADING_TURNS = re.compile(r"(?:\s*" + _TURN_MARKER + r"(?:[ \t]*(?:user|assistant|system|model)\b)?)*")
 _LIST_WORDS = re.compile(r"\\text\{\s*(?:or|and)\s*\}|\\q?quad|\b(?:or|and)\b")
 _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}")
+_ALL_REALS = re.compile(r"\\mathbb\s*\{?R\}?|(?:\\text\{)?\s*(?:all\s+)?real\s+numbers\s*\}?", re.IGNORECASE)
+_APPROX = re.compile(r"^\s*(?:\\approx|\\sim|≈)\s*")  # "\\approx 3.14" states 3.14
 _DOLLARS = re.compile(r"(?<!\\)\$\$?")
 _FINAL_WORDS = re.compile(r"final answer", re.IGNORECASE)
 _HOPE_WORDS = re.compile(r"I hope it is correct\.?", re.IGNORECASE)
@@ -283,19 +287,23 @@ def _subject_value(ans: str) -> str:
 
 
 def _response_end(text: str) -> str:
-    """The response up to where the model stopped answering: the first chat-turn marker after its text
-    (``... is 19. <|im_start|>user ...`` runs on into a made-up turn) and the end of Minerva's closing line
-    "Final Answer: ... I hope it is correct." (what follows is the model writing the next few-shot problem,
-    with its own final answer)."""
-    start = _LEADING_TURNS.match(text).end()
-    marker = re.compile(_TURN_MARKER).search(text, start)
+    """The part of a response that holds its answer: up to the first chat-turn marker after its text
+    (``... is 19. <|im_start|>user ...`` runs on into a made-up turn); after the reasoning block when one
+    closes (``<think>... \\boxed{8}</think> **Answer:** 7`` answers 7) and something follows it; and up to the
+    end of Minerva's closing line "Final Answer: ... I hope it is correct." (what follows is the model
+    writing the next few-shot problem, with its own final answer)."""
+    text = text[_LEADING_TURNS.match(text).end():]
+    marker = _TURN.search(text)
     if marker:
         text = text[:marker.start()]
+    _, closed, after = text.rpartition("</think>")
+    if closed and after.strip():
+        text = after
     offset = 0
     for line in text.splitlines(keepends=True):  # line by line: linear in the length of the text
         final = _FINAL_WORDS.search(line)
         hope = _HOPE_WORDS.search(line, final.end()) if final else None
-        if hope and offset + final.start() >= start:
+        if hope:
             return text[:offset + hope.end()]
         offset += len(line)
     return text
@@ -398,7 +406,7 @@ def normalize_answer(ans: str, keep_relation: bool = False) -> str:
     Idempotent; applied to gold and prediction alike. `keep_relation` (extraction) keeps a name, an
     inequality and a set membership as written (``y = 2x + 1``, ``x \\ge 3``), so that grading can hold
     them to their gold (``2x - y + 1 = 0``; not ``y \\ge 3``)."""
-    s = _unwrap(ans)
+    s = _APPROX.sub("", _unwrap(ans))
     s = re.sub(r",\\!\s*", ",", s).replace("\\!", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     if not keep_relation:
         s = re.sub(r"^\s*[A-Za-z]\s*\\in(?![A-Za-z])\s*", "", s)  # "x \\in [-2, 7]" states the set [-2, 7]
@@ -430,6 +438,8 @@ def normalize_answer(ans: str, keep_relation: bool = False) -> str:
         den = (10 ** len(period) - 1) * 10 ** len(fixed)
         s = f"{sign}\\frac{{{int(whole + fixed + period) - int(whole + fixed or '0')}}}{{{den}}}"
     s = re.sub(r"\\varnothing|\\\{\s*\\\}", r"\\emptyset", s)
+    if _ALL_REALS.fullmatch(s):  # "\\mathbb{R}", "all real numbers"
+        s = "(-\\infty, \\infty)"
     m = _E_NOTATION.match(s)
     if m:
         s = f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}"
@@ -473,8 +483,15 @@ def _negate(v: str) -> str:
 def _inequality(s: str) -> Optional[tuple[str, str]]:
     """(variable, interval) of a one-variable inequality, in either orientation: ``-1 \\le x < 4`` ->
     ``[-1, 4)``; ``x \\ge 3``, ``3 \\le x`` -> ``[3, \\infty)``; ``4 > x > 1`` -> ``(1, 4)``; ``-x > -1`` ->
-    ``(-\\infty, 1)`` (a negated variable flips the comparison). None for anything else (``x < 1 < 2``,
-    ``2x > 6``, ``1 < x > 2``)."""
+    ``(-\\infty, 1)`` (a negated variable flips the comparison); ``x < -1 \\text{ or } x > 1`` -> the union
+    ``(-\\infty, -1) \\cup (1, \\infty)`` (one variable throughout). None for anything else (``x < 1 < 2``,
+    ``2x > 6``, ``1 < x > 2``, ``x < 1 \\text{ or } y > 2``)."""
+    parts = _OR.split(s)
+    if len(parts) > 1:
+        found = [_inequality(p) for p in parts]
+        if not all(found) or len({var for var, _ in found}) != 1:
+            return None
+        return found[0][0], " \\cup ".join(interval for _, interval in found)
     m = _CHAIN.match(s)
     if m:
         a, b, o1, o2 = m.group("a").strip(), m.group("b").strip(), _op_kind(m.group("o1")), _op_kind(m.group("o2"))
