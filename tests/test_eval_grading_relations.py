@@ -181,10 +181,24 @@ def test_extraction_keeps_thousands_separators(text, answer, method):
     ("1,260^\\circ", "1260", True),
     ("4,320 \\text{ dollars}", "4320", True),
     ("(2,500)", "2500", False),          # a tuple is not a number
+    ("2500", "2, 500", False),           # nor is a list (math-verify reads "2,500" as 2500 once spaces go)
     ("2,5", "25", False),
 ])
 def test_thousands_separators_by_the_other_answers_shape(pred, gold, ok):
     assert both_ways(pred, gold) is ok
+
+
+@pytest.mark.parametrize("text, gold, answer", [
+    ("So the roots are 1, 5.", "1, 5", "1, 5"),             # the gold lists two numbers: so does the answer
+    ("The two totals are 1,500 and 2.", "1500, 2", "1500, 2"),
+    ("So the roots are 1, 5.", "15", "5"),                 # a single-number gold: the last number
+    ("We get 1 apple, then later 5.", "1, 5", "5"),         # words between the numbers: not a list
+    ("The total is 1,500.", "1, 500", "1500"),              # one grouped number is not a list of two
+])
+def test_last_number_rule_reads_a_list_when_the_gold_is_one(text, gold, answer):
+    got = extract_answer(text, gold)
+    assert (got.answer, got.method) == (answer, "last_number")
+    assert grade_response(text, gold).correct is (answer == gold)
 
 
 # ------------------------------------------------------------------ 6. prose with a subject; runaway responses
@@ -210,6 +224,16 @@ def test_prose_answers_with_a_subject(text, answer):
 def test_subject_rule_does_not_fire_on_prose(text, answer):
     assert extract_answer(text).answer == answer
     assert not grade_response(text, "8").correct and not grade_response(text, "3").correct
+
+
+@pytest.mark.parametrize("text, answer, method", [
+    ("So $\\boxed{817}$ a week.\nThe final answer is $23,817$.", "23817", "answer_is"),  # "The final answer" line
+    ("So $\\boxed{7}$.\nThe final answer is not 8.", "7", "boxed"),   # a denial replaces nothing
+    ("So $\\boxed{7}$.\nI think the final answer is 8.", "7", "boxed"),  # not at the start of a line
+])
+def test_a_final_answer_line_after_the_box(text, answer, method):
+    got = extract_answer(text)
+    assert (got.answer, got.method) == (answer, method)
 
 
 @pytest.mark.parametrize("text, gold", [

@@ -140,6 +140,7 @@ _LIST_WORDS = re.compile(r"\\text\{\s*(?:or|and)\s*\}|\\q?quad|\b(?:or|and)\b")
 _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}")
 _ALL_REALS = re.compile(r"\\mathbb\s*\{?R\}?|(?:\\text\{)?\s*(?:all\s+)?real\s+numbers\s*\}?", re.IGNORECASE)
 _APPROX = re.compile(r"^\s*(?:\\approx|\\sim|≈)\s*")  # "\\approx 3.14" states 3.14
+_LIST_GAP = re.compile(r"\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*|\$\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*")
 _DOLLARS = re.compile(r"(?<!\\)\$\$?")
 _FINAL_WORDS = re.compile(r"final answer", re.IGNORECASE)
 _HOPE_WORDS = re.compile(r"I hope it is correct\.?", re.IGNORECASE)
@@ -226,19 +227,32 @@ def _clean(ans: str) -> str:
     return ans.rstrip(".").strip()
 
 
-def _last_number(text: str) -> Optional[str]:
+def _last_number(text: str, items: int = 1) -> Optional[str]:
     """The last number that reads as an answer: not part of a word (``name2010``), not a reference
-    (``Lemma 2``), not inside a parenthesised remark; ``$118 000`` and ``1{,}000`` are one number."""
+    (``Lemma 2``), not inside a parenthesised remark; ``$118 000`` and ``1{,}000`` are one number. When the
+    gold is a list of `items` numbers, the last `items` numbers if only list separators stand between them
+    ("the roots are 1, 5" is ``1, 5``; "the totals are 1,500 and 2" is ``1500, 2``)."""
     text = _PAREN_REMARK.sub(" ", text)
     text = _CURRENCY_SPACE_NUM.sub(lambda m: m.group(0).replace(m.group(1), m.group(1).replace(" ", "")), text)
-    found = None
+    found: list[re.Match] = []
     for m in _LAST_NUMBER_RE.finditer(text):
-        if _REFERENCE_WORDS.search(text[max(0, m.start() - 12):m.start()]):
-            continue
-        found = m.group(1) or m.group(2)
-    if found is None:
+        if not _REFERENCE_WORDS.search(text[max(0, m.start() - 12):m.start()]):
+            found = (found + [m])[-max(items, 1):]
+    if not found:
         return None
-    return re.sub(_SEP, "", found)
+    values = [re.sub(_SEP, "", m.group(1) or m.group(2)) for m in found]
+    if items > 1 and len(found) == items and all(_LIST_GAP.fullmatch(text[a.end():b.start()])
+                                                 for a, b in zip(found, found[1:])):
+        return ", ".join(values)
+    return values[-1]
+
+
+def _gold_items(gold: Optional[str]) -> int:
+    """How many numbers the gold lists (``1, 5`` -> 2); 1 for anything but a plain list of numbers."""
+    if not gold:
+        return 1
+    parts = _split_top(normalize_answer(gold))
+    return len(parts) if len(parts) > 1 and all(_plain_number(p) is not None for p in parts) else 1
 
 
 def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
@@ -332,14 +346,15 @@ _FINAL_LINE = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?final answer\b", re.IGNORE
 
 
 def _final_line_answer(text: str, phrase: tuple[str, int], after: int) -> bool:
-    """Whether a final-answer phrase after the last box replaces it: it starts a line with "Final Answer"
-    (``Final Answer: The final answer is 12.``, not "...to think the answer is 6") and is bare math -- a
-    digit or LaTeX, no prose words (``7 in both cases``, ``at most 3 more`` are remarks)."""
+    """Whether a final-answer phrase after the last box replaces it: it starts a line with "Final Answer" or
+    "The final answer" (``Final Answer: The final answer is 12.``, not "...to think the answer is 6") and is
+    bare math -- a digit or LaTeX, no prose words (``7 in both cases``, ``at most 3 more`` are remarks), no
+    denial (``not 8``)."""
     ans, start = phrase
     line = _FINAL_LINE.search(text, after)
     if line is None or not line.start() <= start <= line.end() + 1 or _BOX_RE.search(ans):
         return False
-    return _bare_math(ans)
+    return _bare_math(ans) and not re.search(r"\b(?:not|never|no)\b", ans, re.IGNORECASE)  # "not 8" denies
 
 
 def _prose_answer(text: str) -> Optional[str]:
@@ -363,8 +378,9 @@ def _prose_answer(text: str) -> Optional[str]:
     return None
 
 
-def extract_answer(text: str) -> Extraction:
-    """The model's final answer, by the first rule that matches (see module docstring)."""
+def extract_answer(text: str, gold: Optional[str] = None) -> Extraction:
+    """The model's final answer, by the first rule that matches (see module docstring). `gold`, when given,
+    lends its shape to the last-number rule: a list of numbers is read as a list (see `_last_number`)."""
     text = _response_end(text)
     boxes = _boxes(text)
     phrase = _answer_phrase(text)
@@ -382,7 +398,7 @@ def extract_answer(text: str) -> Extraction:
     prose = _prose_answer(text)
     if prose is not None:
         return Extraction(normalize_answer(prose, True), "prose_math")
-    number = _last_number(text)
+    number = _last_number(text, _gold_items(gold))
     if number is not None:
         return Extraction(number, "last_number")
     return Extraction(None, "none")
@@ -647,8 +663,9 @@ def _timeout(seconds: Optional[int]) -> Optional[int]:
 
 def _parse(expr: str, timeout_s: Optional[int]) -> list:
     """math-verify's parse of `expr`, spaces taken out first: it reads a letter after a space as a unit and
-    drops it (``3 + t`` parses to nothing, ``3a + t`` to 3)."""
-    expr = canonical_text(expr)
+    drops it (``3 + t`` parses to nothing, ``3a + t`` to 3). A space after a comma stays: ``1, 500`` is a
+    list, ``1,500`` a number."""
+    expr = ", ".join(canonical_text(part) for part in re.split(r",\s+", expr))
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
 
 
@@ -849,7 +866,7 @@ def grade_answer(pred: Optional[str], gold: str, timeout_s: Optional[int] = 5,
 
 def grade_response(response: str, gold: str, timeout_s: Optional[int] = 5, abs_tol: float = 0.0) -> GradeResult:
     """Extract the final answer from a full model response and grade it against `gold`."""
-    ext = extract_answer(response)
+    ext = extract_answer(response, gold)
     return grade_answer(ext.answer, gold, timeout_s, ext.method, abs_tol=abs_tol)
 
 
