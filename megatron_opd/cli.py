@@ -24,6 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                            "judge runs against the length-inflation criteria (docs/reproduction.md)"),
     "plot": ("megatron_opd.trainer.plot", "main", "render a run's training-dynamics figure"),
     "plan": ("megatron_opd.plan", "main", "predict per-GPU memory and step time of a layout before allocating it"),
+    "models": ("megatron_opd.models.pretrained", "main",
+               "pretrained models from PyPI packages (SmolLM2, Qwen2.5-Coder 0.5B/1.5B) as HF directories"),
 }
 
 

