@@ -66,6 +66,23 @@ def test_different_names_are_different_answers(pred, gold):
     assert not both_ways(pred, gold)
 
 
+@pytest.mark.parametrize("text, gold, answer, ok", [
+    # a response's equation against a gold that is no equation: the value it ends in
+    ("So $p - q = 15$.", "15", "15", True),
+    ("Hence $\\boxed{100m + n = 1234}$.", "1234", "1234", True),
+    ("Thus $7!=5040$.", "5040", "5040", True),                  # a factorial, not "!="
+    # a gold that is an equation: the answer stays whole and is held to it
+    ("So $p - q = 15$.", "q - p = -15", "p - q = 15", True),
+    ("So $\\boxed{1}$.", "2x + z = 1", "1", False),
+    ("So $y = 3$.", "x = 3", "y = 3", False),
+    ("So $AB = 4, CD = 5$.", "4, 5", "AB = 4, CD = 5", True),  # a named list stays one
+    ("So $AB = 4, CD = 5$.", "5", "AB = 4, CD = 5", False),
+])
+def test_a_responses_equation_is_read_by_the_golds_shape(text, gold, answer, ok):
+    assert extract_answer(text, gold).answer == answer
+    assert grade_response(text, gold).correct is ok
+
+
 # ------------------------------------------------------------------ 2. the same equation in another form
 
 @pytest.mark.parametrize("pred, gold", [
@@ -267,6 +284,9 @@ def test_hedged_or_continued_answers_are_not_taken_from_the_continuation():
     ("5 + s", "s + 5", True),
     ("4a + t", "t + 4a", True),
     ("3 + t", "4 + t", False),
+    ("4t", "4 \\cdot t", True),
+    ("1+2i", "2i+1", True),               # i is no unit
+    ("12,650", "12,\\!650", True),
     ("\\approx 2.72", "2.72", True),
     ("\\mathbb{R}", "(-\\infty, \\infty)", True),
     ("\\text{all real numbers}", "(-\\infty,\\infty)", True),

@@ -99,6 +99,7 @@ _FACTOR = r"(?:[A-Za-z]|" + _GREEK + r")(?:_(?:\{[^{}=]*\}|\d+|[A-Za-z]))?'*"
 _TERM = r"(?:" + _FACTOR + r")+"
 _ARG = r"(?:" + _TERM + r"|-?\d+(?:\.\d+)?)"
 _SUMMAND = (r"(?:(?:m\s*)?\\(?:measuredangle|angle)\s*[A-Z]{1,3}|\\overline\{[A-Z]{2}\}|\[[A-Z]{3,}\]"
+            r"|\\(?:mathbf|vec|overrightarrow|boldsymbol)\s*\{[A-Za-z]{1,3}\}"
             r"|\\(?:text|mathrm)\{[A-Za-z][A-Za-z ]*\}"
             r"|" + _TERM + r"(?:(?:\^\{-1\})?\s*\(\s*" + _ARG + r"(?:\s*,\s*" + _ARG + r")*\s*\))?)")  # f^{-1}(x)
 _NAME = (r"(?:" + _SUMMAND + r"(?:\s*\+\s*" + _SUMMAND + r")*"
@@ -130,7 +131,7 @@ _BOX_CONNECTOR = re.compile(r"^(?:\s|\$|,|;|\\quad|\\qquad|\\,|\\text\{\s*(?:and
 _ANSWER_LEAD = re.compile(r"^\s*(?:\*\*)?\s*(?:the\s+)?(?:final\s+)?answer\s*(?:\*\*)?\s*(?:is|:)\s*:?\s*",
                           re.IGNORECASE)
 _SCRIPTS = re.compile(r"[_^]\s*(?:\{[^{}]*\}|\w)")  # x_2, m^3, S_{10}: not values
-_EQ = re.compile(r"(?<![<>!\\=])=(?!=)")
+_EQ = re.compile(r"(?<![<>\\=])=(?!=)")  # not <=, >=, ==; "7!=5040" is a factorial
 _HOPE = re.compile(r"\s*\.?\s*I hope it is correct\.?\s*$", re.IGNORECASE)
 _TURN_MARKER = (r"(?:<\|(?:im_start|im_end|endoftext|eot_id|eot|start_header_id|end_header_id|begin_of_text|user|"
                 r"assistant|system|end)\|>|<(?:start|end)_of_turn>)")
@@ -141,6 +142,8 @@ _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}")
 _ALL_REALS = re.compile(r"\\mathbb\s*\{?R\}?|(?:\\text\{)?\s*(?:all\s+)?real\s+numbers\s*\}?", re.IGNORECASE)
 _APPROX = re.compile(r"^\s*(?:\\approx|\\sim|≈)\s*")  # "\\approx 3.14" states 3.14
 _LIST_GAP = re.compile(r"\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*|\$\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*")
+# the one-letter units latex2sympy2_extended (math_normalization.units) strips from the end of an expression
+_TRAILING_LETTER = re.compile(r"(\s*)([chlost])\s*$")
 _DOLLARS = re.compile(r"(?<!\\)\$\$?")
 _FINAL_WORDS = re.compile(r"final answer", re.IGNORECASE)
 _HOPE_WORDS = re.compile(r"I hope it is correct\.?", re.IGNORECASE)
@@ -380,8 +383,26 @@ def _prose_answer(text: str) -> Optional[str]:
 
 def extract_answer(text: str, gold: Optional[str] = None) -> Extraction:
     """The model's final answer, by the first rule that matches (see module docstring). `gold`, when given,
-    lends its shape to the last-number rule: a list of numbers is read as a list (see `_last_number`)."""
-    text = _response_end(text)
+    lends its shape: a list of numbers makes the last-number rule read a list (see `_last_number`), and a gold
+    that is no equation makes an equation answer its last side (see `_fit_to_gold`)."""
+    ext = _extract(_response_end(text), gold)
+    return Extraction(_fit_to_gold(ext.answer, gold), ext.method)
+
+
+def _fit_to_gold(answer: Optional[str], gold: Optional[str]) -> Optional[str]:
+    """A response's equation answer against a gold that is no equation is the value the equation ends in:
+    ``p - q = 15``, ``200 + 2d = 350``, ``(r^2 + 3r) - (r^2 + 7r) = -4r`` answer ``15``, ``350``, ``-4r`` (a
+    solution that ends in a derivation). A gold that is an equation keeps the answer whole, so ``2x + z = 1``
+    is held to it as an equation, and a named list (``AB = 4, CD = 5``) stays one. Only responses are read
+    this way; `answers_equivalent` itself compares an equation with a bare value strictly."""
+    if answer is None or gold is None or _EQ.search(_unwrap(gold)) or not _EQ.search(answer):
+        return answer
+    if _named_list(answer) is not None:
+        return answer
+    return _EQ.split(answer)[-1].strip() or answer
+
+
+def _extract(text: str, gold: Optional[str]) -> Extraction:
     boxes = _boxes(text)
     phrase = _answer_phrase(text)
     if boxes:
@@ -583,7 +604,7 @@ def _computed(ans: str) -> Optional[str]:
     the answer is not a name alone with its value (``\\frac12 \\cdot 4 \\cdot 3 = 6``,
     ``x = \\left(\\frac12\\right)^2 = \\frac14``); else None (``x = 5``, ``y = 2x + 1`` and ``2x + z = 1`` are answers
     as they stand)."""
-    if _named(ans) is not None:
+    if _named(ans) is not None or _named_list(ans) is not None:
         return None
     return _value_side(ans)
 
@@ -662,10 +683,12 @@ def _timeout(seconds: Optional[int]) -> Optional[int]:
 
 
 def _parse(expr: str, timeout_s: Optional[int]) -> list:
-    """math-verify's parse of `expr`, spaces taken out first: it reads a letter after a space as a unit and
-    drops it (``3 + t`` parses to nothing, ``3a + t`` to 3). A space after a comma stays: ``1, 500`` is a
-    list, ``1,500`` a number."""
-    expr = ", ".join(canonical_text(part) for part in re.split(r",\s+", expr))
+    """math-verify's parse of `expr`. A letter at the end that math-verify takes for a unit (c, h, l, o, s, t)
+    is set off with a thin space when a space, a digit or a brace comes before it: math-verify would drop it
+    (``3a + t`` parsed to 3, ``3 + t`` to nothing, ``4t`` to 4); our own unit rules have already run."""
+    m = _TRAILING_LETTER.search(expr)
+    if m and expr[:m.start()] and (m.group(1) or expr[m.start() - 1] in "0123456789}"):
+        expr = expr[:m.start()] + "\\," + m.group(2)
     return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
 
 
@@ -709,7 +732,7 @@ _GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 def _thousands_by_shape(ans: str, other: str) -> str:
     """``1,500`` is the number 1500 (`normalize_answer`) unless the other answer is a list of as many items
     (``1, 500``): then it is that list. The other answer's shape decides, as a reader would."""
-    if _GROUPED.fullmatch(ans) and len(_split_top(other)) == ans.count(",") + 1:
+    if _GROUPED.fullmatch(ans) and len(_split_top(normalize_answer(other))) == ans.count(",") + 1:
         return ans.replace(",", ", ")
     return ans
 
