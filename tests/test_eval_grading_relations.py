@@ -76,7 +76,8 @@ def test_different_names_are_different_answers(pred, gold):
     ("So $\\boxed{1}$.", "2x + z = 1", "1", False),
     ("So $y = 3$.", "x = 3", "y = 3", False),
     ("So $AB = 4, CD = 5$.", "4, 5", "AB = 4, CD = 5", True),  # a named list stays one
-    ("So $AB = 4, CD = 5$.", "5", "AB = 4, CD = 5", False),
+    ("So $\\boxed{AB = 4, CD = 5}$.", "5", "AB = 4, CD = 5", False),  # a boxed list is all the answer
+    ("We find $a = 60, b = 750, a + b = 810$.", "810", "810", True),  # prose: found on the way, asked for last
 ])
 def test_a_responses_equation_is_read_by_the_golds_shape(text, gold, answer, ok):
     assert extract_answer(text, gold).answer == answer

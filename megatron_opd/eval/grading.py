@@ -386,18 +386,20 @@ def extract_answer(text: str, gold: Optional[str] = None) -> Extraction:
     lends its shape: a list of numbers makes the last-number rule read a list (see `_last_number`), and a gold
     that is no equation makes an equation answer its last side (see `_fit_to_gold`)."""
     ext = _extract(_response_end(text), gold)
-    return Extraction(_fit_to_gold(ext.answer, gold), ext.method)
+    return Extraction(_fit_to_gold(ext.answer, gold, ext.method), ext.method)
 
 
-def _fit_to_gold(answer: Optional[str], gold: Optional[str]) -> Optional[str]:
+def _fit_to_gold(answer: Optional[str], gold: Optional[str], method: ExtractMethod) -> Optional[str]:
     """A response's equation answer against a gold that is no equation is the value the equation ends in:
     ``p - q = 15``, ``200 + 2d = 350``, ``(r^2 + 3r) - (r^2 + 7r) = -4r`` answer ``15``, ``350``, ``-4r`` (a
     solution that ends in a derivation). A gold that is an equation keeps the answer whole, so ``2x + z = 1``
-    is held to it as an equation, and a named list (``AB = 4, CD = 5``) stays one. Only responses are read
-    this way; `answers_equivalent` itself compares an equation with a bare value strictly."""
+    is held to it as an equation. A named list (``AB = 4, CD = 5``) stays one, unless it is the last math of
+    the prose against a single-value gold (``$a=60, b=750, a+b=810$``: the quantities found on the way, the
+    one asked for last). Only responses are read this way; `answers_equivalent` itself compares an equation
+    with a bare value strictly."""
     if answer is None or gold is None or _EQ.search(_unwrap(gold)) or not _EQ.search(answer):
         return answer
-    if _named_list(answer) is not None:
+    if _named_list(answer) is not None and (method != "prose_math" or len(_split_top(_unwrap(gold))) > 1):
         return answer
     return _EQ.split(answer)[-1].strip() or answer
 
