@@ -1,13 +1,20 @@
 """Final-answer extraction and grading: math-verify equivalence behind our normalisation and guards.
 
-Extraction is ours, so every benchmark uses the same inspectable rule: the last ``\\boxed{}``/``\\fbox{}``
-(boxes side by side, ``\\boxed{-3}`` and ``\\boxed{2}``, are one multi-answer ``-3, 2``), unless a
-final-answer line with math in it comes after it; then GSM8K ``####``; then "the answer is X" /
+Extraction is ours, so every benchmark uses the same inspectable rule. The response is first cut to where
+the model stopped answering: at a chat-turn marker (``<|im_start|>user``, ``<|im_end|>``, ``<end_of_turn>``)
+after its text, after a closing ``</think>`` when something follows it, and after Minerva's closing line
+"Final Answer: ... I hope it is correct." (what follows is the model writing the next few-shot problem).
+Then: the last ``\\boxed{}``/``\\fbox{}`` (boxes side by side, ``\\boxed{-3}`` and ``\\boxed{2}``, are one
+multi-answer ``-3, 2``), unless a line starting "Final Answer" or "The final answer" with math in it comes
+after it; then GSM8K ``####`` (``1,800`` is 1800, ``(1,5)`` keeps its comma); then "the answer is X" /
 "Final Answer: The final answer is X. I hope it is correct." (Minerva's few-shot style: the nested phrase
-is peeled off); then the last math span of the response when nothing numeric follows it (``Hence
-$x \\ge 3$ is the solution.``: the inequality, not its 3; ``$... = 6$``: the right-hand side), or a
-final numeric tuple; then the last number (numbers glued to words, inside trailing remarks in
-parentheses, or after "Lemma"/"Step"/... are not answers).
+is peeled off; "The largest $n$ is 34" is 34; a comma inside a math span ends nothing); then the last math
+span of the response when nothing numeric follows it (``Hence $x \\ge 3$ is the solution.``: the
+inequality, not its 3; ``$... = 6$``: the result of a computation), or a final numeric tuple; then the last
+number (numbers glued to words, inside trailing remarks in parentheses, or after "Lemma"/"Step"/... are not
+answers; ``10,455``, ``10,\\!455`` and ``1{,}000`` are one number). The gold lends its shape: against a
+list of numbers the last-number rule reads a list ("the roots are 1, 5"), and against a gold that is no
+equation an equation answer is the value it ends in (``$p - q = 15$`` answers 15).
 
 Equivalence is math-verify's (sympy: ``\\frac{1}{2}`` == ``0.5``, ``[2,5)`` != ``(2,5)``, sets are
 unordered), applied to both answers after `normalize_answer`, and then held to a stricter standard,
@@ -31,10 +38,19 @@ because math-verify alone accepts wrong answers of classes that matter on the pa
 * **Sets, percents, degrees.** ``x \\in [-2,7]`` is the set ``[-2,7]``; a trailing ``\\%`` may be dropped
   (``4.2\\%`` matches ``4.2`` as well as math-verify's ``0.042``); "12.5 percent" is ``12.5\\%``;
   ``30^\\circ``, ``30°`` and ``30`` match.
-* **Inequalities are intervals.** ``-1 \\le x \\le 4`` is ``[-1, 4]``, ``x > 3`` is ``(3, \\infty)``.
-* **Named answers.** A name on one side of ``=`` is dropped: ``(a,b)=(4,1)``, ``g(x)=2``, ``5=y`` are the
-  answers ``(4,1)``, ``2``, ``5``. A whole answer in ``\\text{}``/``\\mathrm{}`` is its text (``\\mathrm{B}`` is
-  ``B``).
+* **Inequalities are intervals.** ``-1 \\le x \\le 4`` is ``[-1, 4]``, ``x > 3`` is ``(3, \\infty)``, in
+  either orientation (``5 \\le x`` is ``x \\ge 5``, ``-x > -1`` is ``x < 1``, ``4 > x > 1`` is ``(1, 4)``),
+  inequalities joined by "or" are the union; two inequalities must be about the same variable.
+* **Named answers.** A name on one side of ``=`` is dropped: ``(a,b)=(4,1)``, ``g(x)=2``, ``5=y``,
+  ``m+n=17``, ``AB=6`` are the answers ``(4,1)``, ``2``, ``5``, ``17``, ``6``. Only a name: a variable, a
+  function of variables, an angle or segment, a sum of names, a tuple of names -- no digit, coefficient or
+  minus sign. ``2x + z = 1`` and ``7 = 11a + c`` are equations, and no bare value equals them. A named
+  list (``AB=4, CD=5``) is its values in order (``4, 5``); ``x=1 \\text{ or } x=2`` is the roots ``1, 2``.
+  A whole answer in ``\\text{}``/``\\mathrm{}`` is its text (``\\mathrm{B}`` is ``B``).
+* **Equations.** Two equations over the same variables match when one's (left - right) is a nonzero
+  constant times the other's: ``y = -\\frac12 x + \\frac34`` is ``2x + 4y - 3 = 0``; ``x = 5`` is not ``y = 5``.
+* **Thousands separators by shape.** ``1,500`` is 1500, unless the other answer is a list of two
+  (``1, 500``).
 * **Plain-text math.** ``sqrt(5)``, ``pi``, ``**`` are read as ``\\sqrt{5}``, ``\\pi``, ``^``.
 * **Symmetric.** Two answers are equivalent only when each matches the other as gold, so grading never
   depends on which side is the reference.
