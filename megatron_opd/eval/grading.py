@@ -157,7 +157,7 @@ _LIST_WORDS = re.compile(r"\\text\{\s*(?:or|and)\s*\}|\\q?quad|\b(?:or|and)\b")
 _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\{(\d+)\}")
 _ALL_REALS = re.compile(r"\\mathbb\s*\{?R\}?|(?:\\text\{)?\s*(?:all\s+)?real\s+numbers\s*\}?", re.IGNORECASE)
 _APPROX = re.compile(r"^\s*(?:\\approx|\\sim|≈)\s*")  # "\\approx 3.14" states 3.14
-_LIST_GAP = re.compile(r"\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*|\$\s*(?:,|;|,?\s*and|,?\s*or)\s*\$?\s*")
+_LIST_GAP = re.compile(r"\s*(?:\$\s*)?(?:[,;]\s*(?:(?:and|or)\s+)?|(?:and|or)\s+)(?:\$\s*)?")  # "1, 5", "$1$ and $5$"
 # the one-letter units latex2sympy2_extended (math_normalization.units) strips from the end of an expression
 _TRAILING_LETTER = re.compile(r"(\s*)([chlost])\s*$")
 _DOLLARS = re.compile(r"(?<!\\)\$\$?")
@@ -284,7 +284,7 @@ def _answer_phrase(text: str) -> Optional[tuple[str, int]]:
     if m.group(1).rstrip().endswith("?") or text[m.end(1):m.end(1) + 1] == "?":
         return None  # "Is it a coincidence that the answer is 24?" asks, it does not answer
     ans = m.group(1)
-    if len(re.findall(r"(?<!\\)\$\$?", ans)) % 2:  # a clause stop inside "$AB = 4, CD = 5$": to the span's end
+    if len(_DOLLARS.findall(ans)) % 2:  # a clause stop inside "$AB = 4, CD = 5$": to the span's end
         close = _DOLLARS.search(text, m.end(1))
         if close and "\n" not in text[m.end(1):close.start()]:
             ans = text[m.start(1):close.end()]
@@ -434,10 +434,14 @@ def _extract(text: str, gold: Optional[str]) -> Extraction:
             return Extraction(tail.replace(",", "") if _GROUPED_TAIL.fullmatch(tail) else tail, "hashes")
     if phrase is not None:
         return Extraction(normalize_answer(phrase[0], True), "answer_is")
+    items = _gold_items(gold)
+    listed = _last_number(text, items) if items > 1 else None
+    if listed is not None and ", " in listed:  # "the roots are $1$ and $5$" against the gold "1, 5"
+        return Extraction(listed, "last_number")
     prose = _prose_answer(text)
     if prose is not None:
         return Extraction(normalize_answer(prose, True), "prose_math")
-    number = _last_number(text, _gold_items(gold))
+    number = _last_number(text, items)
     if number is not None:
         return Extraction(number, "last_number")
     return Extraction(None, "none")
@@ -470,7 +474,7 @@ def normalize_answer(ans: str, keep_relation: bool = False) -> str:
         s = m.group(1).strip()
     s = _plain_math(s)
     s = _PERCENT_WORD.sub(r"\1\\%", s)
-    named = None if keep_relation else _named(s)
+    named = None
     if not keep_relation:
         s = _interval(s)
         named = _named(s)
@@ -488,7 +492,7 @@ def normalize_answer(ans: str, keep_relation: bool = False) -> str:
     if m and _plain_number(m.group(1)) is not None:  # "30^\\circ", "1,080°"
         s = _plain_number(m.group(1))
     m = _REPEATING.fullmatch(s)
-    if m:  # 0.\\overline{3} = 1/3, 1.2\\overline{45} = (12345 - 123) / 9900
+    if m:  # 0.\\overline{3} = 3/9, 1.2\\overline{45} = (1245 - 12) / 990
         sign, whole, fixed, period = m.groups()
         den = (10 ** len(period) - 1) * 10 ** len(fixed)
         s = f"{sign}\\frac{{{int(whole + fixed + period) - int(whole + fixed or '0')}}}{{{den}}}"
