@@ -354,3 +354,23 @@ def test_grading_a_long_adversarial_case_stays_within_five_seconds():
                        ("PQ=6, " * 200 + "QR=8", "6, 8"), ("- " * 500 + "x > 1", "x < 1")]:
         assert grade_answer(pred, gold).status in ("incorrect", "correct", "error")
         assert time.perf_counter() - t0 < 5
+
+
+def test_a_case_has_one_time_budget_for_all_its_parses(monkeypatch):
+    """`timeout_s` is the budget of the whole comparison, not of each math-verify call: a case that needs many
+    parses (here a named list of eight items, compared item by item, both ways) must stop at the budget with
+    status 'error'. math-verify's parse is slowed down by a sleep (a stand-in for a slow sympy parse; the
+    real parse still runs after it); each call alone stays under a second, so per-call timeouts never fire."""
+    real_parse = grading.parse
+
+    def slow_parse(*args, **kwargs):
+        time.sleep(0.3)
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(grading, "parse", slow_parse)
+    pred = ", ".join(f"x_{i} = {i}" for i in range(1, 9))
+    gold = ", ".join(f"{i}.0" for i in range(1, 9))  # equal values: every item must be parsed
+    t0 = time.perf_counter()
+    result = grade_answer(pred, gold, timeout_s=1)
+    assert result.status == "error" and "TimeoutException" in result.error
+    assert time.perf_counter() - t0 < 2.5

@@ -63,11 +63,13 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import sympy
 from math_verify import parse, verify
+from math_verify.errors import TimeoutException
 
 GradeStatus = Literal["correct", "incorrect", "no_answer", "error"]
 ExtractMethod = Literal["boxed", "hashes", "answer_is", "prose_math", "last_number", "none"]
@@ -699,19 +701,26 @@ def canonical_text(ans: str) -> str:
     return re.sub(r"(\\[A-Za-z]+)\s+(?=[A-Za-z])|\s+", lambda m: m.group(1) + " " if m.group(1) else "", s)
 
 
-def _timeout(seconds: Optional[int]) -> Optional[int]:
-    # math-verify times out with signal.alarm, which only works in the main thread.
-    return seconds if threading.current_thread() is threading.main_thread() else None
+def _timeout(deadline: Optional[float]) -> Optional[int]:
+    """Seconds left for the next math-verify call before the case's deadline (whole seconds, at least 1:
+    math-verify times out with signal.alarm, which only works in the main thread -- None elsewhere).
+    Past the deadline the case stops here with math-verify's TimeoutException."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutException("grading took longer than its time budget")
+    return max(1, int(left)) if threading.current_thread() is threading.main_thread() else None
 
 
-def _parse(expr: str, timeout_s: Optional[int]) -> list:
+def _parse(expr: str, deadline: Optional[float]) -> list:
     """math-verify's parse of `expr`. A letter at the end that math-verify takes for a unit (c, h, l, o, s, t)
     is set off with a thin space when a space, a digit or a brace comes before it: math-verify would drop it
     (``3a + t`` parsed to 3, ``3 + t`` to nothing, ``4t`` to 4); our own unit rules have already run."""
     m = _TRAILING_LETTER.search(expr)
     if m and expr[:m.start()] and (m.group(1) or expr[m.start() - 1] in "0123456789}"):
         expr = expr[:m.start()] + "\\," + m.group(2)
-    return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(timeout_s), raise_on_error=True)
+    return parse("\\boxed{" + expr + "}", parsing_timeout=_timeout(deadline), raise_on_error=True)
 
 
 def _as_number(parsed: list) -> Optional[Any]:
@@ -743,9 +752,12 @@ def answers_equivalent(pred: str, gold: str, timeout_s: Optional[int] = 5, exact
     `exact_shortcut` accepts answers identical up to spacing without calling math-verify (~10 ms an
     answer, and it rejects some identical expressions);
     `abs_tol` is a per-problem absolute tolerance for numeric answers.
+    `timeout_s` bounds the whole comparison, both directions and every parse in it (math-verify's alarm has
+    whole seconds, so the last call may end up to a second late); past it, math-verify's TimeoutException.
     Symmetric: each answer must match the other taken as the reference (the guards are one-sided)."""
-    return (_equivalent(pred, gold, timeout_s, exact_shortcut, rel_tol, abs_tol)
-            and _equivalent(gold, pred, timeout_s, exact_shortcut, rel_tol, abs_tol))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    return (_equivalent(pred, gold, deadline, exact_shortcut, rel_tol, abs_tol)
+            and _equivalent(gold, pred, deadline, exact_shortcut, rel_tol, abs_tol))
 
 
 _GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
@@ -808,7 +820,7 @@ def _equation_sides(ans: str) -> Optional[list[str]]:
     return sides if len(sides) == 2 and all(sides) else None
 
 
-def _same_equation(pred: str, gold: str, timeout_s: Optional[int]) -> bool:
+def _same_equation(pred: str, gold: str, deadline: Optional[float]) -> bool:
     """Whether two equations state the same relation: over the same variables, (left - right) of one is a
     nonzero constant times the other's (``y = -\\frac{1}{2}x + \\frac{3}{4}`` and ``2x + 4y - 3 = 0``; ``x = 5``
     and ``2x = 10``; not ``x = 5`` and ``y = 5``, not ``x^2 = 4`` and ``x = 2``)."""
@@ -818,7 +830,7 @@ def _same_equation(pred: str, gold: str, timeout_s: Optional[int]) -> bool:
     forms = []
     for left, right in sides:
         try:
-            parsed = [_parse(normalize_answer(side), timeout_s) for side in (left, right)]
+            parsed = [_parse(normalize_answer(side), deadline) for side in (left, right)]
         except Exception:  # noqa: BLE001 - an unparsable side is not an equation we can compare
             return False
         if not all(p and isinstance(p[0], sympy.Expr) for p in parsed):
@@ -836,17 +848,17 @@ def _same_equation(pred: str, gold: str, timeout_s: Optional[int]) -> bool:
     return bool(ratio.is_number and not ratio.free_symbols and ratio != 0 and ratio.is_finite)
 
 
-def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: bool, rel_tol: float,
+def _equivalent(pred: str, gold: str, deadline: Optional[float], exact_shortcut: bool, rel_tol: float,
                 abs_tol: float) -> bool:
     def same(p: str, g: str) -> bool:
-        return _equivalent(p, g, timeout_s, exact_shortcut, rel_tol, abs_tol)
+        return _equivalent(p, g, deadline, exact_shortcut, rel_tol, abs_tol)
 
     pred, gold = _unwrap(pred), _unwrap(gold)
     lists = _named_list(pred), _named_list(gold)
     if any(lists):  # "AB=4, CD=5" against "4, 5" or "CD=5, AB=4"
         return _named_lists_equivalent(pred, gold, lists, same)
     pred, gold = _thousands_by_shape(pred, gold), _thousands_by_shape(gold, pred)
-    if _same_equation(pred, gold, timeout_s):  # "y = -\\frac12 x + \\frac34" is "2x + 4y - 3 = 0"
+    if _same_equation(pred, gold, deadline):  # "y = -\\frac12 x + \\frac34" is "2x + 4y - 3 = 0"
         return True
     variables = _compared_variable(pred), _compared_variable(gold)
     if all(variables) and variables[0] != variables[1]:
@@ -875,13 +887,13 @@ def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: 
     bare = [_TRAILING_PERCENT.fullmatch(a) for a in (pred, gold)]
     if any(bare):  # "4.2\\%" also matches "4.2" (math-verify alone reads it only as 0.042)
         unpercent = [m.group(1) if m else a for m, a in zip(bare, (pred, gold))]
-        if _equivalent(unpercent[0], unpercent[1], timeout_s, exact_shortcut, rel_tol, abs_tol):
+        if _equivalent(unpercent[0], unpercent[1], deadline, exact_shortcut, rel_tol, abs_tol):
             return True
     if exact_shortcut and canonical_text(pred) == canonical_text(gold):
         return True
     if symbol_letters(gold) and not symbol_letters(pred):
         return False
-    gold_parsed, pred_parsed = _parse(gold, timeout_s), _parse(pred, timeout_s)
+    gold_parsed, pred_parsed = _parse(gold, deadline), _parse(pred, deadline)
     if not gold_parsed or not pred_parsed:
         return False
     gold_num, pred_num = _as_number(gold_parsed), _as_number(pred_parsed)
@@ -890,7 +902,7 @@ def _equivalent(pred: str, gold: str, timeout_s: Optional[int], exact_shortcut: 
     numeric = gold_num is not None and pred_num is not None and "%" not in gold + pred
     if numeric and abs_tol > 0 and numbers_close(pred_num, gold_num, rel_tol, abs_tol):
         return True
-    if not verify(gold_parsed, pred_parsed, timeout_seconds=_timeout(timeout_s), raise_on_error=True):
+    if not verify(gold_parsed, pred_parsed, timeout_seconds=_timeout(deadline), raise_on_error=True):
         return False
     return not numeric or numbers_close(pred_num, gold_num, rel_tol)
 
