@@ -42,9 +42,9 @@ because math-verify alone accepts wrong answers of classes that matter on the pa
   either orientation (``5 \\le x`` is ``x \\ge 5``, ``-x > -1`` is ``x < 1``, ``4 > x > 1`` is ``(1, 4)``),
   inequalities joined by "or" are the union; two inequalities must be about the same variable.
 * **Named answers.** A name on one side of ``=`` is dropped: ``(a,b)=(4,1)``, ``g(x)=2``, ``5=y``,
-  ``m+n=17``, ``AB=6`` are the answers ``(4,1)``, ``2``, ``5``, ``17``, ``6``. Only a name: a variable, a
-  function of variables, an angle or segment, a sum of names, a tuple of names -- no digit, coefficient or
-  minus sign. ``2x + z = 1`` and ``7 = 11a + c`` are equations, and no bare value equals them. A named
+  ``AB=6`` are the answers ``(4,1)``, ``2``, ``5``, ``6``. Only a name: a variable, a function of variables,
+  an angle or segment, a tuple of names -- no sum, digit, coefficient or minus sign. ``2x + z = 1``,
+  ``7 = 11a + c`` and ``m + n = 17`` are equations, and no bare value equals them. A named
   list (``AB=4, CD=5``) is its values in order (``4, 5``); ``x=1 \\text{ or } x=2`` is the roots ``1, 2``.
   A whole answer in ``\\text{}``/``\\mathrm{}`` is its text (``\\mathrm{B}`` is ``B``).
 * **Equations.** Two equations over the same variables match when one's (left - right) is a nonzero
@@ -107,9 +107,10 @@ _ASSIGNMENT = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*(?:=|\\in\b)\s*(?=[^=]+
 _VAR = r"[A-Za-z](?:_\{?\w+\}?)?"
 # A name that an answer may be given under, and only a name: a variable (x, x_1, AB, \theta, v_{max}, f'),
 # a function of variables or numbers (f(x), g(x, y), f(3), P(A)), an angle, segment, area or \text{} name,
-# a sum of such (m + n: AIME's "find m + n"), or a tuple of names ((a, b)). No digit, coefficient or minus
-# sign: 2x + z, a + 3z and x - y are expressions, and "2x + z = 1" is an equation, not the answer 1 under
-# a name. Each piece starts with a letter or a backslash, so the pattern cannot split a run two ways.
+# or a tuple of names ((a, b)). Not a sum: "m + n = 17" could be AIME's "find m + n", but "x + y = 1" is a
+# line, and the two cannot be told apart, so a sum is an expression (when in doubt, reject). No digit,
+# coefficient or minus sign either: 2x + z, a + 3z and x - y are expressions, and "2x + z = 1" is an
+# equation, not the answer 1 under a name. Each piece starts with a letter or a backslash, so the pattern cannot split a run two ways.
 _GREEK = (r"\\(?:alpha|beta|gamma|delta|epsilon|varepsilon|zeta|eta|theta|vartheta|iota|kappa|lambda|mu|nu|"
           r"xi|rho|sigma|tau|upsilon|phi|varphi|chi|psi|omega|Gamma|Delta|Theta|Lambda|Xi|Sigma|Phi|Psi|"
           r"Omega)(?![A-Za-z])\s*")
@@ -120,7 +121,7 @@ _SUMMAND = (r"(?:(?:m\s*)?\\(?:measuredangle|angle)\s*[A-Z]{1,3}|\\overline\{[A-
             r"|\\(?:mathbf|vec|overrightarrow|boldsymbol)\s*\{[A-Za-z]{1,3}\}"
             r"|\\(?:text|mathrm)\{[A-Za-z][A-Za-z ]*\}"
             r"|" + _TERM + r"(?:(?:\^\{-1\})?\s*\(\s*" + _ARG + r"(?:\s*,\s*" + _ARG + r")*\s*\))?)")  # f^{-1}(x)
-_NAME = (r"(?:" + _SUMMAND + r"(?:\s*\+\s*" + _SUMMAND + r")*"
+_NAME = (r"(?:" + _SUMMAND +
          r"|\(\s*" + _SUMMAND + r"(?:\s*,\s*" + _SUMMAND + r")+\s*\))")
 _NAME_LEFT = re.compile(r"^\s*" + _NAME + r"\s*=\s*(?P<rest>[^=]+)$")
 _NAME_RIGHT = re.compile(r"^(?P<rest>[^=]*[^=<>!\\\s])\s*=\s*" + _NAME + r"\s*$")  # not "3 >= x"
@@ -608,7 +609,7 @@ def _named(ans: str) -> Optional[tuple[str, str]]:
 
 
 def _value_side(ans: str) -> Optional[str]:
-    """The value an equation states: the side that is not a name (``x = 3``, ``5 = y``, ``m + n = 17``), or
+    """The value an equation states: the side that is not a name (``x = 3``, ``5 = y``, ``AB = 6``), or
     the last side of a computation whose last side names no variable (``3 \\times 4 = 12``,
     ``x = 2 + 3 = 5``, ``A = \\pi r^2 = 25\\pi``). None for an equation between expressions (``2x + z = 1``,
     ``7 = 11a + c``): it states a relation, and no bare value equals it."""
