@@ -392,8 +392,10 @@ def forward_backward(
         companion.bind(model)
         if pipelined:
             factor = 1 + companion.wire.factor
-            kwargs["adjust_tensor_shapes_fn"] = lambda recv, send: (
-                [(s * factor, *rest) for s, *rest in recv], [(s * factor, *rest) for s, *rest in send])
+            # a shape () is exchanged at run time (megatron-core 0.19 with variable_seq_lengths): it is the
+            # concatenated tensor's own, companion included
+            grow = lambda shapes: [(s[0] * factor, *s[1:]) if len(s) else s for s in shapes]  # noqa: E731
+            kwargs["adjust_tensor_shapes_fn"] = lambda recv, send: (grow(recv), grow(send))
     if layout is None:
         schedule = get_forward_backward_func()
     else:
