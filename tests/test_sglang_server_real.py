@@ -21,7 +21,7 @@ from megatron_opd.teacher.sglang import SGLangTeacher
 from sglang_cpu import (LOGPROB_TOL, check_sample_contract, hf_model, max_logprob_gap, measured, mem_fraction,
                         perturbed, require_sglang, sglang_args, tiny_models)
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.megatron]
 
 PROMPTS = [[5, 6, 7], [40, 41, 42, 43], [9]]
 

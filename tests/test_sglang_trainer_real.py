@@ -24,7 +24,7 @@ from megatron_opd.rollout.base import SamplingParams
 from sglang_cpu import (LOGPROB_TOL, hf_model, max_logprob_gap, measured, mem_fraction, require_sglang, sglang_args,
                         tiny_models)
 
-pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+pytestmark = [pytest.mark.sglang, pytest.mark.slow, pytest.mark.megatron]
 
 ROOT = Path(__file__).resolve().parents[1]
 
