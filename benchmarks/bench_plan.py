@@ -59,6 +59,10 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {
     "tiny-stable_opd-over-budget": ("tiny", 1, ["algo.preset=stable_opd", "train.max_tokens_per_microbatch=64"]),
     # a checkpoint save inside the measured window (distributed optimizer, DP2): the gathered optimizer state
     "tiny-stable_opd-dp2-save": ("tiny", 2, ["algo.preset=stable_opd", "model.recompute_activations=full", SAVE]),
+    # the real pretrained pair (`megatron-opd models export`): Qwen2.5-Coder-0.5B-Instruct in fp32 under the 1.5B
+    # in bf16, a 152k vocabulary; 2 prompts x 2 rollouts so that it fits a 24 GB machine
+    "qwen-opd-teacher-bf16": ("qwen", 1, ["algo.preset=opd", "teacher.params_dtype=bfloat16",
+                                          "train.prompts_per_step=2", "train.micro_batch_size=2"]),
 }
 
 
@@ -95,6 +99,11 @@ def setting(scale: str, work: Path) -> list[str]:
 
     if scale.startswith("tiny"):
         student, teacher = tiny_models(work / "models", vocab=int(scale[4:-1] or 0) * 1024)
+    elif scale == "qwen":
+        from megatron_opd.models.pretrained import export_chunked
+
+        student, teacher = (export_chunked("qwen2.5-coder-0.5b-instruct"),
+                            export_chunked("qwen2.5-coder-1.5b-instruct"))
     else:
         student, teacher = bench_pair(default_cache_dir())
     data = write_builtin_jsonl(work / "data", n_train=16, n_eval=2)["train"]
