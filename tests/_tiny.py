@@ -15,6 +15,19 @@ def tiny_setup(root: Path, n_train: int = 24, n_eval: int = 4) -> tuple[Path, Pa
     return root, student, teacher, write_builtin_jsonl(root / "data", n_train=n_train, n_eval=n_eval)
 
 
+def train(cfg, stop_after=None):
+    """A whole `Trainer.train()` in this process (optionally stopping after step `stop_after`, as a killed run
+    would); returns the closed trainer."""
+    from megatron_opd.trainer.loop import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train(stop_after=stop_after)
+    finally:
+        trainer.close()
+    return trainer
+
+
 def train_to_end(rank: int, world_size: int, overrides: list[str]) -> int:
     """A whole `Trainer.train()` from config overrides (a `run_distributed` target); returns the last step."""
     from megatron_opd.config import load_config

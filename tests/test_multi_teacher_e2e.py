@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from _tiny import tiny_setup
+from _tiny import tiny_setup, train as _train
 from megatron_opd.config import load_config
 from megatron_opd.teacher.hf import HFTeacher
 from megatron_opd.trainer.logger import read_metrics
@@ -42,17 +42,6 @@ def _cfg(setup, out, steps, tmp_path, *extra, teachers=None):
         "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=8", "optim.lr=1e-3", "data.shuffle=false",
         f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
         "checkpoint.save_every=1", "checkpoint.keep_last=2", *extra])
-
-
-def _train(cfg, stop_after=None):
-    from megatron_opd.trainer.loop import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        trainer.train(stop_after=stop_after)
-    finally:
-        trainer.close()
-    return trainer
 
 
 def test_each_row_is_scored_by_its_routed_teacher(setup, tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _tiny import tiny_setup
+from _tiny import tiny_setup, train as _train
 from megatron_opd.config import load_config
 from megatron_opd.models.checkpoint import read_weights
 from megatron_opd.trainer.logger import read_metrics
@@ -31,17 +31,6 @@ def _cfg(setup, out: Path, preset: str, steps: int, *extra: str):
         "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=12", "optim.lr=1e-3",
         f"logging.out_dir={out}", "logging.progress_bar=false", "logging.tensorboard=false",
         "checkpoint.save_every=1", "checkpoint.keep_last=2", *extra])
-
-
-def _train(cfg, stop_after=None):
-    from megatron_opd.trainer.loop import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        trainer.train(stop_after=stop_after)
-    finally:
-        trainer.close()
-    return trainer
 
 
 @pytest.mark.parametrize("preset,teacher_backend", [("opd", "hf"), ("opd_kl", "megatron"), ("stable_opd", "megatron")])
