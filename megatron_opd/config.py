@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import math
 import types
 import typing
@@ -33,7 +34,9 @@ class ModelConfig:
     hf_path: Optional[str] = None  # HF directory: config.json + *.safetensors (+ tokenizer)
     family: Literal["auto", "qwen2", "qwen3", "llama"] = "auto"
     layer_spec: Literal["auto", "local", "te"] = "auto"  # auto: TE on GPU, local on CPU
-    params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 on GPU; on a CPU bf16 where its bf16 GEMMs measure faster, else fp32 (models/dtype.py); bf16 on
+    # a trainable model is mixed precision: fp32 main weights, gradients and Adam
+    params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # the frozen reference pi_ref: "same" as params_dtype, or its own (bfloat16 halves its memory and, on
     # GPUs and CPUs with bf16 GEMMs, its time; its log-softmax is fp32 either way)
     ref_params_dtype: Literal["same", "auto", "float32", "bfloat16", "float16"] = "same"
@@ -76,7 +79,7 @@ class TeacherConfig:
     # sequences per teacher forward; null: train.micro_batch_size for a megatron teacher in the student's
     # layout (it scores beside the student's micro-batches), 8 for the others
     micro_batch_size: Optional[int] = None
-    # an in-process (megatron or hf) teacher's weights (auto: bf16 on GPU, fp32 on CPU); log-softmax is fp32 either way
+    # an in-process (megatron or hf) teacher's weights (auto: as model.params_dtype's auto); log-softmax is fp32 either way
     params_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # an in-process megatron teacher's weights wait in host memory between scoring phases (colocated GPUs:
     # frees 2·P/(TP·PP) bytes per GPU for training and rollout, for one host<->device copy per step)
@@ -392,7 +395,21 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str) -> None:
                 v = v.raw if _accepts_str(tp) and _str_wanted(tp, v.parsed) else v.parsed
             if isinstance(v, _Unparsable):
                 raise ConfigError(f"{key}: cannot parse value {v.text!r}: {v.error}")
-            setattr(obj, k, _coerce(v, tp, key))
+            setattr(obj, k, _expand_user(k, _coerce(v, tp, key)))
+
+
+# path keys whose `~` / `~user` is the home directory, as in a shell (the example configs name the model cache)
+PATH_KEYS = {"hf_path", "tokenizer_path", "train_path", "eval_paths", "out_dir", "dir"}
+
+
+def _expand_user(key: str, value: Any) -> Any:
+    if key not in PATH_KEYS:
+        return value
+    if isinstance(value, str):
+        return os.path.expanduser(value)
+    if isinstance(value, list):
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value]
+    return value
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_opd.config import Config
+from megatron_opd.models.dtype import auto_dtype
 from megatron_opd.trainer.mixture import golden_count
 
 GB = 1e9
@@ -185,8 +186,8 @@ def arch_from(path: Optional[str], what: str) -> Arch:
 
 
 def dtype_bytes(name: str, gpu: bool = True) -> int:
-    if name == "auto":
-        return 2 if gpu else 4
+    if name == "auto":  # on a CPU: what `auto` resolves to on this host (models/dtype.py)
+        return 2 if gpu else auto_dtype().dtype.itemsize
     return {"float32": 4, "bfloat16": 2, "float16": 2}[name]
 
 
@@ -441,10 +442,15 @@ def save_host_bytes(P: float, dp: int, gather_in_host: bool = False) -> float:
 
 def startup_host_bytes(cfg: Config, student: Arch, teacher: Optional[Arch]) -> float:
     """Host bytes of the HF checkpoints a trainer rank reads whole while it builds its models: the
-    student's, and an in-process megatron teacher's (read while the student's is still held)."""
-    n = student.params * student.ckpt_bytes
+    student's, and an in-process megatron teacher's (read while the student's is still held), each cast to
+    the dtype it is built in as it is read (`load_hf_state_dict(dtype=)`; the student's at its own dtype
+    unless the reference wants more precision)."""
+    m = cfg.model
+    e = dtype_bytes(m.params_dtype, False)
+    ref_e = e if m.ref_params_dtype == "same" else dtype_bytes(m.ref_params_dtype, False)
+    n = student.params * (e if ref_e <= e else student.ckpt_bytes)
     if cfg.teacher.backend == "megatron" and teacher is not None:
-        n += teacher.params * teacher.ckpt_bytes
+        n += teacher.params * dtype_bytes(cfg.teacher.params_dtype, False)
     return n
 
 
@@ -464,6 +470,11 @@ def _local_engine(tr: RankPlan, cfg: Config, lay: Layout, a: Arch, e: int, on_gp
         tr.add("rollout engine (local, own copy)", a.params * eng_e,
                f"rank 0: the whole student in {eng_e} B ({why})", rank0=True)
     n_roll = cfg.train.prompts_per_step * r.n_samples_per_prompt if cfg.algo.mixture_ratio < 1 else 0
+    if not on_gpu and eng_e in (2, 4) and n_roll:  # fp32 / bf16 on a CPU: rollout/packed.py
+        packed = a.layers * (a.layer_params - 2 * a.hidden) + a.embedding_params
+        tr.add("rollout engine packed weights", packed * eng_e,
+               "rank 0, while it decodes: a oneDNN-packed copy of every linear weight and the LM head "
+               "(rollout/packed.py)", "rollout", rank0=True)
     rows = min(LOCAL_ENGINE_ROWS, n_roll)
     ctx = cfg.data.max_prompt_tokens + r.max_new_tokens
     kv = 2 * a.layers * a.kv_heads * a.head_dim * eng_e

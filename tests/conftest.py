@@ -9,6 +9,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# `auto` dtypes resolve to fp32 in every test and the runs they start, whatever this host's bf16 GEMMs measure
+# (models/dtype.py): the suite's numbers must not depend on which CPU CI drew; tests/test_dtype_auto.py probes
+os.environ.setdefault("MEGATRON_OPD_AUTO_DTYPE", "float32")
 
 SHARED_DATA = ROOT.parent / "shared" / "data"
 

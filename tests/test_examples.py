@@ -4,6 +4,7 @@ declared model shapes match the models they name."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -32,6 +33,8 @@ def test_example_loads(path: Path):
     for section, values in raw.items():
         for key, value in values.items():
             got = getattr(getattr(cfg, section), key)
+            if isinstance(value, str) and value.startswith("~"):
+                value = os.path.expanduser(value)
             assert got == value or (isinstance(value, int) and got == float(value)), f"{path.name}: {section}.{key}"
     # TP / PP divide the declared student shape (validate() also checks; this pins the declaration)
     m, p = cfg.model, cfg.parallel

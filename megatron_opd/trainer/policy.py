@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opd.config import Config
+from megatron_opd.models.dtype import resolve_dtype
 from megatron_opd.models.checkpoint import load_training_state, save_training_state, unshare_adam_step
 from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model, resolve_layer_spec
 from megatron_opd.models.logprobs import (Companion, default_tp_group, enable_logit_rows, forward_backward,
@@ -36,12 +37,6 @@ LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], TrainBatch, torch.Tenso
 # Response rows per fp32 log-softmax chunk: bounds the fp32 temporaries to FROZEN_LOGP_CHUNK x V/tp
 # (~0.3 GB at V=152k) whatever the batch.
 FROZEN_LOGP_CHUNK = 512
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class MegatronPolicy:
