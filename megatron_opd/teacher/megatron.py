@@ -111,7 +111,7 @@ class MegatronTeacher:
             tp_rank, tp_size, pp_rank, pp_size = layout.tp_rank, layout.tp, layout.pp_rank, layout.pp
         else:
             tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
-        sd = hf_to_megatron_state_dict(load_hf_state_dict(p), cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+        sd = hf_to_megatron_state_dict(load_hf_state_dict(p, dtype=params_dtype), cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                        pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
                                        vocab_padded=model.vocab_size)
         load_megatron_state_dict(model, sd)

@@ -26,6 +26,7 @@ from megatron_opd.data.prompts import load_prompts, route_teachers
 from megatron_opd.data.sampler import PromptSampler
 from megatron_opd.eval.benchmarks import load_benchmark
 from megatron_opd.inputs import check_inputs, eval_set_name
+from megatron_opd.models.dtype import resolve_dtype
 from megatron_opd.models.hf_config import check_family
 from megatron_opd.models.parallel import (broadcast_object, data_parallel_rank_size, global_rank, init_parallel,
                                           is_pipeline_last_stage, tensor_parallel_rank)
@@ -71,7 +72,11 @@ class Trainer:
         self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_path)
         check_family(cfg.model.family, self.hf_config, cfg.model.hf_path)
         preflight(cfg, self.rank)
-        student_sd = load_hf_state_dict(cfg.model.hf_path)
+        # read in the student's dtype when the reference (built from the same tensors) takes no more precision
+        m = cfg.model
+        same = m.ref_params_dtype in ("same", m.params_dtype) or resolve_dtype(m.ref_params_dtype).itemsize <= \
+            resolve_dtype(m.params_dtype).itemsize
+        student_sd = load_hf_state_dict(cfg.model.hf_path, dtype=resolve_dtype(m.params_dtype) if same else None)
         steps = max(cfg.train.steps, 1) * cfg.algo.ppo_epochs * cfg.algo.num_minibatches
         self.student = MegatronPolicy(self.hf_config, student_sd, cfg, trainable=True, total_steps=steps)
         self.scorer = Scorer(cfg, rank=self.rank, student=self.student, tokenizer=self.tokenizer, pad_id=self.pad_id,

@@ -138,8 +138,10 @@ class Scorer:
         """pi_ref, the initial student (model.hf_path), frozen."""
         path = self.cfg.model.hf_path
         hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
-        state_dict = state_dict if state_dict is not None else load_hf_state_dict(path)
         dtype = self.cfg.model.ref_params_dtype
+        if state_dict is None:
+            state_dict = load_hf_state_dict(path, dtype=resolve_dtype(self.cfg.model.params_dtype if dtype == "same"
+                                                                      else dtype))
         return MegatronPolicy(hf_config, state_dict, self.cfg, trainable=False,
                               params_dtype=None if dtype == "same" else dtype)
 
@@ -161,7 +163,8 @@ class Scorer:
                     p.tensor_model_parallel_size, p.pipeline_model_parallel_size):
                 slot.layout = self._build_layout_teacher(t, key)
                 return
-            slot.policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path), load_hf_state_dict(t.hf_path),
+            slot.policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path),
+                                         load_hf_state_dict(t.hf_path, dtype=resolve_dtype(t.params_dtype)),
                                          self.cfg, trainable=False, params_dtype=t.params_dtype,
                                          temperature=t.temperature)  # the teacher's own distribution at T=1
         elif self.rank == 0 and t.backend == "hf":
