@@ -179,6 +179,39 @@ def test_bf16_policies_stay_within_tolerance(setup, tmp_path):
     assert 0 <= m["rollout/engine_trainer_logp_absdiff"] < 0.05
 
 
+def test_bf16_mixed_precision_step_tracks_fp32(setup, tmp_path):
+    """One training step from the same weights on the same rollouts (an fp32 engine in both runs): a bf16 student
+    (megatron's mixed precision: bf16 compute, fp32 main weights, gradients and Adam; fp32 log-softmax and
+    loss) against an fp32 one. Stated tolerances: the step's loss within 0.05 (relative, at least 0.05
+    absolute), its update's direction (cosine of the weight change, Adam's first step ~ lr * sign(grad))
+    >= 0.9, and its size within 10%."""
+    from megatron_opd.trainer.loop import Trainer
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        trainer = Trainer(_cfg(setup, tmp_path / dtype, f"model.params_dtype={dtype}", "teacher.params_dtype=float32",
+                               "model.ref_params_dtype=float32", "rollout.dtype=float32", "algo.num_minibatches=1"))
+        try:
+            before = {n: t.float().clone() for n, t in trainer.student.iter_hf_weights()}
+            m = trainer.train_step()
+            after = {n: t.float() for n, t in trainer.student.iter_hf_weights()}
+            opt = trainer.student.setup.optimizer
+            opts = getattr(opt, "chained_optimizers", [opt])  # megatron may chain one optimizer per param group
+            mains = [p for o in opts for g in getattr(o, "shard_fp32_from_float16_groups", []) for p in g]
+            out[dtype] = {"loss": m["loss/total_loss"], "texts": m.get("rollout/response_length_mean"),
+                          "delta": torch.cat([(after[n] - before[n]).flatten() for n in sorted(before)]),
+                          "main_dtypes": {p.dtype for p in mains}, "param_dtype": trainer.student.dtype}
+        finally:
+            trainer.close()
+    f32, b16 = out["float32"], out["bfloat16"]
+    assert b16["param_dtype"] == torch.bfloat16 and b16["main_dtypes"] == {torch.float32}, "fp32 main weights"
+    assert f32["texts"] == b16["texts"], "both runs trained on the same rollouts"
+    assert abs(f32["loss"] - b16["loss"]) <= 0.05 * max(1.0, abs(f32["loss"])), (f32["loss"], b16["loss"])
+    cos = float(torch.nn.functional.cosine_similarity(f32["delta"], b16["delta"], dim=0))
+    size = float(b16["delta"].norm() / f32["delta"].norm())
+    assert cos >= 0.9 and abs(size - 1) <= 0.1, (cos, size)
+
+
 def test_local_engine_decodes_with_its_thread_count(setup, monkeypatch):
     from megatron_opd.rollout import local as local_mod
     from megatron_opd.rollout.base import SamplingParams

@@ -239,3 +239,50 @@ def test_pipeline_parallel_full_kl_matches_single_process(setup, tmp_path):
                     "rollout/response_len_mean"):
             assert rb[key] == pytest.approx(ra[key], rel=2e-4, abs=1e-6), (ra["step"], key)
     assert read_metrics(multi)[1]["loss/kl"] > 1e-7
+
+
+RSS_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+from megatron_opd.config import load_config
+from megatron_opd.trainer.loop import Trainer
+
+def rss_mb():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+
+trainer = Trainer(load_config(None, json.loads(sys.argv[1])))
+out = []
+try:
+    for _ in range(5):
+        trainer.train_step()
+        out.append(rss_mb())
+finally:
+    trainer.close()
+print("RSS " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # > 15 s: the slow CI leg runs it
+def test_resident_memory_is_flat_from_step_two(setup, tmp_path):
+    """A fresh process's resident memory after steps 2..5 of a stable_opd run (full KL, golden rows, the local
+    engine): step 1 allocates Adam's state, nothing after it may keep growing. RSS after step 4 and after step 5
+    within 5% of step 2's (issue 37; a leak of a batch's tensors, or heap fragmentation the trainer does not hand
+    back, grows it every step)."""
+    import json
+    import sys
+
+    from _proc import run
+
+    _root, student, teacher, data = setup
+    overrides = ["algo.preset=stable_opd", "algo.kl_estimator=full", f"model.hf_path={student}",
+                 f"teacher.hf_path={teacher}", "teacher.backend=megatron", f"data.train_path={data['train']}",
+                 "train.steps=5", "train.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
+                 "rollout.max_new_tokens=48", "train.micro_batch_size=4", f"logging.out_dir={tmp_path / 'run'}",
+                 "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_every=100",
+                 "checkpoint.resume=never", "logging.sample_every=0"]
+    res = run([sys.executable, "-c", RSS_SCRIPT, json.dumps(overrides)], timeout=600)
+    rss = json.loads(res.stdout.split("RSS ", 1)[1].splitlines()[0])
+    assert len(rss) == 5
+    assert max(rss[3], rss[4]) <= 1.05 * rss[1], f"RSS after each step (MB): {[round(r) for r in rss]}"
