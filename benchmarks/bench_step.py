@@ -103,6 +103,8 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
         *[e for e in extra if e]])
     trainer = Trainer(cfg)
     engine = trainer.rollouts.engine
+    engine_bytes, dtypes = engine_weight_bytes(engine), {"student": str(trainer.student.dtype),
+                                                         "engine": str(engine_dtype(engine))}
     if a.varied:
         shape_rollouts(engine, a.gen_tokens, a.new_tokens)
     steps = []
@@ -118,20 +120,25 @@ def worker_ours(a: argparse.Namespace) -> dict[str, Any]:
             steps.append(rec)
     finally:
         trainer.close()
-    return {"steps": steps, "peak_rss_mb": _hwm_mb(), "engine_bytes": engine_weight_bytes(engine),
-            "dtypes": {"student": str(trainer.student.dtype), "engine": str(engine_dtype(engine))}}
+    return {"steps": steps, "peak_rss_mb": _hwm_mb(), "engine_bytes": engine_bytes, "dtypes": dtypes}
 
 
 def engine_weight_bytes(engine: Any) -> Optional[int]:
-    """Bytes a decode step streams at least once: the engine's distinct parameters (a tied LM head once)."""
+    """Bytes a decode step streams at least once: the engine's distinct parameters, less the input embedding
+    table, of which a step reads one row per sequence (an LM head tied to it is counted, as the head)."""
+    import torch
+
     model = getattr(engine, "model", None)
     if model is None:
         return None
     seen, n = set(), 0
-    for p in model.parameters():
-        if p.untyped_storage().data_ptr() not in seen:
-            seen.add(p.untyped_storage().data_ptr())
-            n += p.numel() * p.element_size()
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Embedding):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.untyped_storage().data_ptr() not in seen:
+                seen.add(p.untyped_storage().data_ptr())
+                n += p.numel() * p.element_size()
     return n
 
 

@@ -253,6 +253,7 @@ class Layout:
     row: int  # the longest attended sequence: a row (prompt + response), or a packed sequence of the budget
     rows: int  # rows per micro-batch
     teacher_inline: bool  # a megatron teacher on the trainer ranks
+    resp_tokens: int = 0  # response tokens of the micro-batch at its worst (the [n, V] logits rows)
 
 
 def _layout(cfg: Config, trainer_gpus: int) -> Layout:
@@ -269,12 +270,15 @@ def _layout(cfg: Config, trainer_gpus: int) -> Layout:
         micro = max(min(t.max_tokens_per_microbatch, minibatch_rows(cfg, dp) * row), row)
         rows = max(1, micro // row)
         attended = micro if t.pack_sequences else row
+        # rows with short prompts fill the budget with responses: up to the budget, not rows x max_new_tokens
+        resp = min(micro, minibatch_rows(cfg, dp) * cfg.rollout.max_new_tokens)
     else:
         rows = rows_per_micro(cfg, dp)
         micro, attended = rows * row, row
+        resp = rows * cfg.rollout.max_new_tokens
     return Layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, dp,
                   cfg.model.recompute_activations, p.sequence_parallel, micro, attended, rows,
-                  cfg.teacher.backend == "megatron")
+                  cfg.teacher.backend == "megatron", resp)
 
 
 def stage_params(a: Arch, tp: int, pp: int, stage: str = "only") -> float:
@@ -362,7 +366,7 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
                f"{n_buf} micro-batch(es) x {wire}·s·h·e/{'TP' if sp > 1 else '1'}: the reference runs inside the "
                "student's 1F1B schedule, its stage outputs sent beside the student's", "training")
     if stage in ("only", "last"):
-        n_resp = min(lay.micro_tokens, lay.rows * cfg.rollout.max_new_tokens)
+        n_resp = min(lay.micro_tokens, lay.resp_tokens or lay.rows * cfg.rollout.max_new_tokens)
         v = student.vocab / lay.tp
         chunk = min(cfg.algo.kl_chunk_size, n_resp)
         scratch = (3 if full_kl else 1) * chunk * v * 4
@@ -416,6 +420,8 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
     if not on_gpu:
         tr.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher), STARTUP_HOW,
                "startup")
+        tr.add("Adam moments, not yet allocated (startup)", -8 * P / dp_shard,
+               "torch's Adam allocates exp_avg and exp_avg_sq at the first step", "startup")
     if on_gpu:
         tensors, _ = tr.peak()
         tr.add("allocator slack", ALLOCATOR_SLACK * tensors * GB, f"{ALLOCATOR_SLACK:.0%} of the peak above")
@@ -426,7 +432,8 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
 SAVE_HOW = ("fully_reshardable save without its memory-efficient flag: every rank all-gathers the "
             "DP-sharded fp32 main weights and Adam moments into host RAM (3·4·P) plus one state's gather "
             "and concatenation in flight (2·4·P) and its own shards (3·4·P/DP)")
-STARTUP_HOW = "every rank reads the student's HF checkpoint (and an in-process megatron teacher's) whole"
+STARTUP_HOW = ("the larger of: the student's HF checkpoint read whole in its build dtype; a local engine's "
+               "from_pretrained mapping the checkpoint file (ckpt bytes + its own weights)")
 
 
 def save_host_bytes(P: float, dp: int, gather_in_host: bool = False) -> float:
@@ -440,17 +447,22 @@ def save_host_bytes(P: float, dp: int, gather_in_host: bool = False) -> float:
     return 12 * P + 12 * P / dp + 8 * P + (4 * P if gather_in_host else 0)
 
 
-def startup_host_bytes(cfg: Config, student: Arch, teacher: Optional[Arch]) -> float:
-    """Host bytes of the HF checkpoints a trainer rank reads whole while it builds its models: the
-    student's, and an in-process megatron teacher's (read while the student's is still held), each cast to
-    the dtype it is built in as it is read (`load_hf_state_dict(dtype=)`; the student's at its own dtype
-    unless the reference wants more precision)."""
+def startup_host_bytes(cfg: Config, student: Arch, teacher: Optional[Arch], on_gpu: bool = False) -> float:
+    """Host bytes a trainer rank holds only while it builds its models, at their largest: the student's HF
+    checkpoint, read whole in the dtype it is built in (`load_hf_state_dict(dtype=)`; the checkpoint's own
+    unless the reference wants no more precision) and kept until the reference is built from it; later, a
+    local rollout engine's `from_pretrained`, which maps the student's checkpoint file (its pages count as
+    RSS) while it builds its own weights (dropped for the student's when it shares them). An in-process
+    megatron teacher streams its checkpoint into its weights a layer at a time
+    (`load_hf_into_megatron(consume=True)`): nothing of it beyond its weights. Measured on the Qwen2.5 pair
+    (benchmarks/bench_step.py --pair qwen): startup peak 15.2 GB against 15.4 planned."""
     m = cfg.model
-    e = dtype_bytes(m.params_dtype, False)
-    ref_e = e if m.ref_params_dtype == "same" else dtype_bytes(m.ref_params_dtype, False)
+    e = dtype_bytes(m.params_dtype, on_gpu)
+    ref_e = e if m.ref_params_dtype == "same" else dtype_bytes(m.ref_params_dtype, on_gpu)
     n = student.params * (e if ref_e <= e else student.ckpt_bytes)
-    if cfg.teacher.backend == "megatron" and teacher is not None:
-        n += teacher.params * dtype_bytes(cfg.teacher.params_dtype, False)
+    if cfg.rollout.backend == "local":
+        eng_e = e if cfg.rollout.dtype == "auto" else dtype_bytes(cfg.rollout.dtype, on_gpu)
+        n = max(n, student.params * (student.ckpt_bytes + eng_e))
     return n
 
 
@@ -530,7 +542,7 @@ def host_plan(cfg: Config, cluster: Cluster, lay: Layout, student: Arch, teacher
     if not cpu:
         host = RankPlan("host RAM per trainer rank")
         P = max(stage_params(student, lay.tp, lay.pp, st) for st in (["only"] if lay.pp == 1 else ["first", "last"]))
-        host.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher), STARTUP_HOW,
+        host.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher, on_gpu=True), STARTUP_HOW,
                  "startup")
         if cfg.optim.use_distributed_optimizer:
             host.add("checkpoint save: optimizer state gathered", save_host_bytes(P, lay.dp), SAVE_HOW, "save")

@@ -129,7 +129,8 @@ def _extras_case() -> dict:
     from megatron_opd.models.cpu_compat import apply_cpu_shims
     from megatron_opd.models.gpt import build_forward_only_model
     from megatron_opd.models.logprobs import forward_logprobs
-    from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
+    from megatron_opd.models.weight_mapping import (WeightMappingError, hf_to_megatron_state_dict,
+                                                    load_hf_into_megatron, load_megatron_state_dict)
 
     hf, model = _build_loaded("qwen2", {}, 1, 1)
     ids = _inputs(hf.config.vocab_size)
@@ -143,13 +144,25 @@ def _extras_case() -> dict:
         batch_b = forward_logprobs(model, padded)[1:]
     fo = build_forward_only_model(hf.config)
     load_megatron_state_dict(fo, hf_to_megatron_state_dict(hf.state_dict(), hf.config))
+    streamed = build_forward_only_model(hf.config)  # tensor by tensor, emptying the HF dict as it goes
+    hf_sd = dict(hf.state_dict())
+    load_hf_into_megatron(streamed, hf_sd, hf.config, consume=True)
+    got = streamed.state_dict()
+    same = all(torch.equal(v, got[k]) for k, v in fo.state_dict().items() if isinstance(v, torch.Tensor))
+    short = {k: v for k, v in hf.state_dict().items() if "layers.1.mlp.up_proj" not in k}
+    try:
+        load_hf_into_megatron(build_forward_only_model(hf.config), short, hf.config)
+        missing_error = ""
+    except WeightMappingError as e:
+        missing_error = str(e)
     with torch.no_grad():
         fo_logp = forward_logprobs(fo, ids)
         tr_logp = forward_logprobs(model, ids)
     return {
         "pad_alone": alone, "pad_batch": batch, "other_full": full_b, "other_batch": batch_b,
         "fo_requires_grad": any(p.requires_grad for p in fo.parameters()), "fo_training": fo.training,
-        "fo_logp": fo_logp, "tr_logp": tr_logp,
+        "fo_logp": fo_logp, "tr_logp": tr_logp, "streamed_same": same, "streamed_left": len(hf_sd),
+        "streamed_missing_error": missing_error,
         "shims_twice": [apply_cpu_shims(), apply_cpu_shims()],
         "current_device": str(torch.cuda.current_device()),
         "mask": get_default_causal_mask(3),
@@ -276,6 +289,8 @@ def test_forward_only_model_and_cpu_shims(single: list[dict]) -> None:
     x = single[0]["extras"]
     assert x["fo_requires_grad"] is False and x["fo_training"] is False
     torch.testing.assert_close(x["fo_logp"], x["tr_logp"], atol=0, rtol=0)
+    assert x["streamed_same"] and x["streamed_left"] == 0  # load_hf_into_megatron == the two-copy path
+    assert "model.layers.1.mlp.up_proj.weight" in x["streamed_missing_error"]
     assert x["shims_twice"] == [True, True] and x["current_device"] == "cpu"
     assert torch.equal(x["mask"], torch.tensor([[False, True, True], [False, False, True], [False, False, False]]))
 

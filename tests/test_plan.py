@@ -220,7 +220,8 @@ def test_pipeline_full_kl_plans_one_micro_batch_of_reference_logits_and_the_hidd
     p = plan_run(cfg, Cluster(GPUS["h100-80gb"], 8, 4, 4), s, t)
     first, last = p["ranks"][:2]
     v = s.vocab / 2
-    assert _part(last, "logits (response rows)")["gb"] * 1e9 == pytest.approx(3 * 8192 * v * 2 + 3 * 512 * v * 4)
+    # n = the 9216-token budget: rows with short prompts fill it with responses (not 1 row x 8192 new tokens)
+    assert _part(last, "logits (response rows)")["gb"] * 1e9 == pytest.approx(3 * 9216 * v * 2 + 3 * 512 * v * 4)
     hid = "reference hidden states (in the student's pipeline)"
     assert _part(first, hid)["gb"] * 1e9 == pytest.approx(2 * 9216 * 3584 * 2 / 2)
     assert _part(last, hid)["gb"] * 1e9 == pytest.approx(9216 * 3584 * 2 / 2)

@@ -31,18 +31,19 @@ The reverse paths read the padded size from the tensors (or `GPTModel.vocab_size
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 __all__ = [
     "WeightMappingError", "ModelDims", "padded_vocab_size", "hf_param_shapes", "megatron_param_shapes",
     "hf_to_megatron_state_dict", "megatron_to_hf_state_dict", "iter_hf_weights", "bucket_hf_weights", "load_hf_state_dict",
+    "load_hf_into_megatron", "SafetensorsReader",
     "canonical_hf_state_dict", "check_hf_state_dict", "load_megatron_state_dict",
 ]
 
@@ -337,31 +338,45 @@ def hf_to_megatron_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_config: Any,
     vp = vocab_padded or padded_vocab_size(d.vocab_size, tp_size, make_vocab_size_divisible_by)
     _check_vocab_padded(d, vp, tp_size)
 
-    out: dict[str, torch.Tensor] = {}
+    return dict(_iter_megatron(hf_sd, d, tp_rank, tp_size, pp_rank, pp_size, te_names, vp))
+
+
+def _iter_megatron(hf_sd: Mapping[str, torch.Tensor], d: ModelDims, tp_rank: int, tp_size: int, pp_rank: int,
+                   pp_size: int, te_names: bool, vp: int,
+                   consume: Optional[list[dict[str, torch.Tensor]]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of `hf_to_megatron_state_dict`, one layer at a time. `consume`: dicts to pop
+    each HF tensor from once the layer using it is done, so that a caller copying the pairs into a model
+    holds one layer's converted copies at a time instead of the whole checkpoint twice."""
+    def done(*names: str) -> None:
+        for sd in consume or ():
+            for n in names:
+                sd.pop(n, None)
+
     if pp_rank == 0:
-        out[MG_EMBED] = _shard(_pad_vocab(hf_sd[HF_EMBED], vp), tp_rank, tp_size, 0)
+        yield MG_EMBED, _shard(_pad_vocab(hf_sd[HF_EMBED], vp), tp_rank, tp_size, 0)
     per_stage = d.num_layers // pp_size
     for local in range(per_stage):
         hn, mn = _hf_layer(pp_rank * per_stage + local), _mg_layer(local, te_names)
-        out[mn["input_norm"]] = hf_sd[hn["input_norm"]]
-        qkv = _qkv_to_megatron(hf_sd[hn["q"]], hf_sd[hn["k"]], hf_sd[hn["v"]], d)
-        out[mn["qkv"]] = _shard(qkv, tp_rank, tp_size, 0)
+        yield mn["input_norm"], hf_sd[hn["input_norm"]]
+        yield mn["qkv"], _shard(_qkv_to_megatron(hf_sd[hn["q"]], hf_sd[hn["k"]], hf_sd[hn["v"]], d), tp_rank, tp_size, 0)
         if d.qkv_bias:
             qkv_b = _qkv_to_megatron(hf_sd[hn["q_bias"]], hf_sd[hn["k_bias"]], hf_sd[hn["v_bias"]], d)
-            out[mn["qkv_bias"]] = _shard(qkv_b, tp_rank, tp_size, 0)
-        out[mn["proj"]] = _shard(hf_sd[hn["o"]], tp_rank, tp_size, 1)
+            yield mn["qkv_bias"], _shard(qkv_b, tp_rank, tp_size, 0)
+        yield mn["proj"], _shard(hf_sd[hn["o"]], tp_rank, tp_size, 1)
         if d.qk_norm:
-            out[mn["q_norm"]], out[mn["k_norm"]] = hf_sd[hn["q_norm"]], hf_sd[hn["k_norm"]]
-        out[mn["post_norm"]] = hf_sd[hn["post_norm"]]
-        out[mn["fc1"]] = _fc1_shard(hf_sd[hn["gate"]], hf_sd[hn["up"]], tp_rank, tp_size)
-        out[mn["fc2"]] = _shard(hf_sd[hn["down"]], tp_rank, tp_size, 1)
+            yield mn["q_norm"], hf_sd[hn["q_norm"]]
+            yield mn["k_norm"], hf_sd[hn["k_norm"]]
+        yield mn["post_norm"], hf_sd[hn["post_norm"]]
+        yield mn["fc1"], _fc1_shard(hf_sd[hn["gate"]], hf_sd[hn["up"]], tp_rank, tp_size)
+        yield mn["fc2"], _shard(hf_sd[hn["down"]], tp_rank, tp_size, 1)
+        done(*hn.values())
     if pp_rank == pp_size - 1:
-        out[MG_NORM] = hf_sd[HF_NORM]
+        yield MG_NORM, hf_sd[HF_NORM]
         if not d.tied:
-            out[MG_OUTPUT] = _shard(_pad_vocab(hf_sd[HF_LM_HEAD], vp), tp_rank, tp_size, 0)
+            yield MG_OUTPUT, _shard(_pad_vocab(hf_sd[HF_LM_HEAD], vp), tp_rank, tp_size, 0)
         elif pp_size > 1:  # megatron keeps a synced copy of the tied embedding on the last stage
-            out[MG_OUTPUT] = _shard(_pad_vocab(hf_sd[HF_EMBED], vp), tp_rank, tp_size, 0)
-    return out
+            yield MG_OUTPUT, _shard(_pad_vocab(hf_sd[HF_EMBED], vp), tp_rank, tp_size, 0)
+    done(*hf_sd.keys())
 
 
 def canonical_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_config: Any) -> Mapping[str, torch.Tensor]:
@@ -496,6 +511,38 @@ def load_megatron_state_dict(model: torch.nn.Module, sd: Mapping[str, torch.Tens
         raise WeightMappingError(f"loading into GPTModel: missing {leftover}, unexpected {list(unexpected)}")
 
 
+def load_hf_into_megatron(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor], hf_config: Any, tp_rank: int = 0,
+                          tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, te_names: bool = False,
+                          vocab_padded: Optional[int] = None, consume: bool = False) -> None:
+    """`load_megatron_state_dict(model, hf_to_megatron_state_dict(hf_sd, ...))`, tensor by tensor: the same
+    checks and the same weights, without a whole converted copy of the checkpoint. `consume=True` also empties
+    `hf_sd` layer by layer (the caller's dict: pass one nothing else needs). Building the 1.5B bf16 teacher
+    so peaks at its weights plus one layer, where the two-copy path held the checkpoint, its converted copy
+    and the model (~3 x 3.6 GB)."""
+    d = ModelDims.from_hf(hf_config)
+    d.check_parallel(tp_size, pp_size)
+    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
+        raise WeightMappingError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp_size} x pp={pp_size}")
+    canon = canonical_hf_state_dict(hf_sd, hf_config)
+    check_hf_state_dict(canon, hf_config)
+    vp = vocab_padded or padded_vocab_size(d.vocab_size, tp_size)
+    _check_vocab_padded(d, vp, tp_size)
+    params = {k: v for k, v in _strip(_unwrap(model).state_dict(keep_vars=True)).items() if v is not None}
+    want = {k for k in params if not k.endswith(_EXTRA_STATE)}
+    pops = None if not consume else [hf_sd] if canon is hf_sd else [hf_sd, canon]
+    with torch.no_grad():
+        for name, t in _iter_megatron(canon, d, tp_rank, tp_size, pp_rank, pp_size, te_names, vp, consume=pops):
+            if name not in want:
+                raise WeightMappingError(f"loading into GPTModel: unexpected {name}")
+            if tuple(t.shape) != tuple(params[name].shape):
+                raise WeightMappingError(f"loading into GPTModel: {name} has shape {tuple(t.shape)}, the model "
+                                         f"{tuple(params[name].shape)}")
+            params[name].copy_(t)
+            want.discard(name)
+    if want:
+        raise WeightMappingError(f"loading into GPTModel: missing {sorted(want)}")
+
+
 def iter_hf_weights(model: torch.nn.Module, hf_config: Any, tp_group: Any = None, pp_group: Any = None,
                     te_names: Optional[bool] = None, dtype: Optional[torch.dtype] = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -586,23 +633,83 @@ def _device_of(sd: Mapping[str, torch.Tensor]) -> torch.device:
     return next(iter(sd.values())).device
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+class SafetensorsReader(Mapping):
+    """name -> tensor over an HF directory's `*.safetensors`, each tensor read from the file when asked for
+    (and cast to `dtype` if floating), nothing mapped.
+
+    Why not safetensors' own `safe_open`/`load_file`: they mmap the file, and every page of it a read touches
+    stays in the process's RSS until the file is closed. Reading the 1.5B teacher's fp32 checkpoint (7.1 GB)
+    to build it in bf16 so peaked at 3.6 GB of bf16 tensors plus the 7.1 GB mapping (measured: +9.9 GB in
+    that one call); read with `pread` into each tensor's own buffer it peaks at the tensors plus one fp32
+    tensor. Lazy like `hf_io.LazySafetensors` (`shape_of` reads the header only), and `pop` forgets a tensor,
+    so `load_hf_into_megatron(..., consume=True)` streams a checkpoint into a model one layer at a time."""
+
+    def __init__(self, hf_dir: Any, dtype: Optional[torch.dtype] = None):
+        files = sorted(Path(hf_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")
+        self.dtype = dtype
+        self._index: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
+        for f in files:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                try:
+                    header = json.loads(fh.read(n))
+                except ValueError as e:
+                    raise WeightMappingError(f"{f}: not a safetensors file (header: {e})") from None
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                if meta.get("dtype") not in _ST_DTYPES:
+                    raise WeightMappingError(f"{f}: tensor {name}: unsupported safetensors dtype {meta.get('dtype')}")
+                start, end = meta["data_offsets"]
+                self._index[name] = (str(f), meta["dtype"], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        path, code, shape, start, end = self._index[name]
+        buf = torch.empty(end - start, dtype=torch.uint8)
+        view, got = memoryview(buf.numpy()), 0
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while got < len(view):
+                k = os.preadv(fd, [view[got:]], start + got)
+                if k == 0:
+                    raise WeightMappingError(f"{path}: tensor {name}: file ends before its data (truncated?)")
+                got += k
+        finally:
+            os.close(fd)
+        t = buf.view(_ST_DTYPES[code]).reshape(shape)
+        if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+            t = t.to(self.dtype)
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._index))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._index[name][2]
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        return default if self._index.pop(name, None) is None else None
+
+
 def load_hf_state_dict(hf_dir: Any, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint directory (single file or sharded). `dtype`: floating tensors
-    are cast one at a time as they are read, so a bf16 model built from an fp32 checkpoint never holds the whole
-    fp32 copy (the 1.5B teacher: 3.6 GB at its peak instead of 7.1)."""
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (expected an HF model directory)")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        if dtype is None:
-            sd.update(load_file(str(f)))
-            continue
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                t = fh.get_tensor(name)
-                sd[name] = t.to(dtype) if t.is_floating_point() else t
-    return sd
+    """All tensors of an HF safetensors checkpoint directory (single file or sharded), read one at a time
+    (`SafetensorsReader`). `dtype`: floating tensors are cast as they are read, so a bf16 model built from
+    an fp32 checkpoint never holds the whole fp32 copy."""
+    reader = SafetensorsReader(hf_dir, dtype)
+    return {name: reader[name] for name in reader}
 
 
 def bucket_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

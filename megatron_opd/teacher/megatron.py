@@ -18,7 +18,7 @@ from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
 from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
 from megatron_opd.models.packing import budget_groups, pack_groups, packed_inputs
 from megatron_opd.models.parallel import is_pipeline_last_stage, model_parallel_coords, pipeline_group
-from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_hf_state_dict, load_megatron_state_dict
+from megatron_opd.models.weight_mapping import SafetensorsReader, load_hf_into_megatron
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.teacher.base import TeacherScore, check_score_inputs, validate_scores
 
@@ -106,15 +106,15 @@ class MegatronTeacher:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"MegatronTeacher: {p}/config.json not found (expected an HF model directory)")
         cfg = AutoConfig.from_pretrained(str(p))
-        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype, layout=layout)
+        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype, layout=layout,
+                                         config_overrides={"perform_initialization": False})  # loaded below
         if layout is not None:
             tp_rank, tp_size, pp_rank, pp_size = layout.tp_rank, layout.tp, layout.pp_rank, layout.pp
         else:
             tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
-        sd = hf_to_megatron_state_dict(load_hf_state_dict(p, dtype=params_dtype), cfg, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                                       pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
-                                       vocab_padded=model.vocab_size)
-        load_megatron_state_dict(model, sd)
+        load_hf_into_megatron(model, SafetensorsReader(p, dtype=params_dtype), cfg, tp_rank=tp_rank, tp_size=tp_size,
+                              pp_rank=pp_rank, pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
+                              vocab_padded=model.vocab_size, consume=True)
         kwargs.setdefault("eos_token_ids", eos_ids_from(p))
         kwargs.setdefault("thd", resolve_layer_spec(layer_spec) == "te")
         return cls(model, cfg, micro_batch_size=micro_batch_size, layout=layout, **kwargs)

@@ -35,6 +35,7 @@ from megatron_opd.trainer import state
 from megatron_opd.trainer.batch import SequenceItem, build_batch
 from megatron_opd.trainer.checkpoint import CheckpointManager
 from megatron_opd.trainer.guard import Guard, TrainingStopped
+from megatron_opd.trainer.hostmem import host_memory_gb, release_freed_memory
 from megatron_opd.trainer.learner import Learner
 from megatron_opd.trainer.logger import RunLogger
 from megatron_opd.trainer.mixture import (balance_rows, golden_count, golden_prompt_picks, golden_response,
@@ -112,6 +113,7 @@ class Trainer:
             if step is not None:
                 self.resume(step)
         self.preempt = PreemptionWatch(self.out_dir, self.rank)
+        release_freed_memory()  # the HF checkpoints read at startup
 
     # the parts' objects, under the names users and tests know
     engine = property(lambda self: self.rollouts.engine)
@@ -133,6 +135,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.time()
         payload = self._last_payload = self.rollouts.next_payload(self.step)
         self.rollouts.start_next(self.step)
+        release_freed_memory()
         t_rollout = time.time() - t0
 
         t1 = time.time()
@@ -146,9 +149,11 @@ class Trainer:
         old_logp = self.learner.old_logp(batch, off_policy, full_kl_ref=full_kl and self.ref is not None)
         self.scorer.score_batch(batch, with_ref_logp=not full_kl)
         self.learner.set_old_logp(batch, old_logp)
+        release_freed_memory()
 
         t2 = time.time()
         train_stats = self.learner.update(batch, self.beta_kl, self.ref)
+        release_freed_memory()
 
         t3 = time.time()
         self.rollouts.finish_next()
@@ -162,7 +167,7 @@ class Trainer:
                         "time/sync_s": t_sync, "time/rollout_wait_s": t_wait,
                         "rollout/staleness": float(self.weight_version - 1 - payload.get("weight_version", 0)),
                         "time/step_s": time.time() - t0, "train/beta_kl": self.beta_kl,
-                        "train/weight_version": float(self.weight_version)})
+                        "train/weight_version": float(self.weight_version), **host_memory_gb()})
         self.step += 1
         check_engine_parity(cfg.rollout, self.step, metrics, self.rank)
         return metrics

@@ -25,7 +25,7 @@ from megatron_opd.models.optimizer import (grads_finite, optimizer_step, restart
                                            zero_grads)
 from megatron_opd.models.packing import packed_inputs
 from megatron_opd.models.parallel import host_group, is_pipeline_last_stage, model_parallel_coords
-from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, iter_hf_weights, load_megatron_state_dict
+from megatron_opd.models.weight_mapping import iter_hf_weights, load_hf_into_megatron
 from megatron_opd.teacher.megatron import vocab_parallel_topk
 from megatron_opd.trainer.batch import TrainBatch, pad_batch, plan_micro_batches, round_up, seq_len_multiple
 from megatron_opd.trainer.checkpoint import per_rank_refusal
@@ -48,7 +48,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_config: Any, hf_state_dict: dict[str, torch.Tensor], cfg: Config, *,
                  trainable: bool, total_steps: int = 1, temperature: Optional[float] = None,
-                 params_dtype: Optional[str] = None):
+                 params_dtype: Optional[str] = None, consume_state: bool = False):
         self.cfg = cfg
         self.hf_config = hf_config
         self.trainable = trainable
@@ -56,8 +56,9 @@ class MegatronPolicy:
         builder = build_gpt_model if trainable else build_forward_only_model
         model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=self.dtype,
                         fp8=cfg.model.fp8, sequence_parallel=cfg.parallel.sequence_parallel,
-                        recompute_activations=cfg.model.recompute_activations)
-        _load_hf(model, hf_state_dict, hf_config)
+                        recompute_activations=cfg.model.recompute_activations,
+                        config_overrides=NO_INIT)
+        _load_hf(model, hf_state_dict, hf_config, consume=consume_state)
         tp_size = model_parallel_coords()[1]
         self.total_steps = total_steps
         self.setup = setup_training(model, cfg.optim, total_steps, check_for_nan_in_grad=False) if trainable else None
@@ -384,12 +385,18 @@ def _shard_misfit(model: torch.nn.Module, saved: dict[str, Any]) -> Optional[str
     return f"{lacking[0]} is not in the checkpoint" if lacking else None
 
 
-def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any) -> None:
-    """This rank's TP/PP shard of an HF state dict into a GPTModel (THE mapping: models/weight_mapping.py)."""
+# every weight is loaded from the HF checkpoint right after the build (a missing one is an error): megatron's
+# random init would only cost time (19 s for the 1.5B teacher here) and an fp32 master copy per weight (CPU)
+NO_INIT = {"perform_initialization": False}
+
+
+def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any,
+             consume: bool = False) -> None:
+    """This rank's TP/PP shard of an HF state dict into a GPTModel (THE mapping: models/weight_mapping.py),
+    tensor by tensor; `consume`: emptying `hf_state_dict` as it goes."""
     tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
-    sd = hf_to_megatron_state_dict(hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
-                                   te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size))
-    load_megatron_state_dict(model, sd)
+    load_hf_into_megatron(model, hf_state_dict, hf_config, tp_rank, tp_size, pp_rank, pp_size,
+                          te_names=_uses_te_names(model), vocab_padded=int(model.vocab_size), consume=consume)
 
 
 def _optimizers(opt: Any) -> list[Any]:

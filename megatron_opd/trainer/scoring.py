@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from megatron_opd.config import Config, ConfigError, TeacherConfig
 from megatron_opd.models.offload import WeightOffloader
 from megatron_opd.models.parallel import free_port, make_layout
-from megatron_opd.models.weight_mapping import load_hf_state_dict
+from megatron_opd.models.weight_mapping import SafetensorsReader, load_hf_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.rollout.server import (ServerError, ServerProcess, api_key_from_env, http_json, sglang_cli_args,
                                          sglang_server_cmd)
@@ -164,9 +164,9 @@ class Scorer:
                 slot.layout = self._build_layout_teacher(t, key)
                 return
             slot.policy = MegatronPolicy(AutoConfig.from_pretrained(t.hf_path),
-                                         load_hf_state_dict(t.hf_path, dtype=resolve_dtype(t.params_dtype)),
+                                         SafetensorsReader(t.hf_path, dtype=resolve_dtype(t.params_dtype)),
                                          self.cfg, trainable=False, params_dtype=t.params_dtype,
-                                         temperature=t.temperature)  # the teacher's own distribution at T=1
+                                         temperature=t.temperature, consume_state=True)  # the teacher's own distribution at T=1
         elif self.rank == 0 and t.backend == "hf":
             slot.external = HFTeacher.from_pretrained(
                 t.hf_path, dtype=resolve_dtype(t.params_dtype),
