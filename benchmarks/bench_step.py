@@ -135,9 +135,9 @@ def engine_weight_bytes(engine: Any) -> Optional[int]:
     for mod in model.modules():
         if isinstance(mod, torch.nn.Embedding):
             continue
-        for p in mod.parameters(recurse=False):
-            if p.untyped_storage().data_ptr() not in seen:
-                seen.add(p.untyped_storage().data_ptr())
+        for p in mod.parameters(recurse=False):  # by the tensor's own start: shared weights are views of one buffer
+            if (p.data_ptr(), p.numel()) not in seen:
+                seen.add((p.data_ptr(), p.numel()))
                 n += p.numel() * p.element_size()
     return n
 

@@ -118,7 +118,7 @@ def test_pi_old_reuse_gives_the_same_step(setup, tmp_path, estimator):
     assert (n_old_reuse, n_old_sep) == (0, 1)
     # full KL: the reference's token log-probs come from its per-micro-batch logits, no separate pass
     assert (n_ref_reuse, n_ref_sep) == ((0, 0) if estimator == "full" else (1, 1))
-    keys = sorted(k for k in m_sep if not k.startswith(("time/", "system/", "gpu/")))
+    keys = sorted(k for k in m_sep if not k.startswith(("time/", "system/", "gpu/", "mem/")))
     assert set(keys) <= set(m_reuse), set(keys) - set(m_reuse)
     for k in ("loss/total_loss", "loss/pg_loss", "loss/kl", "loss/golden_loss", "logp/student_mean",
               "logp/ref_mean", "adv/mean", "rollout/engine_trainer_logp_absdiff"):

@@ -191,3 +191,39 @@ def test_qwen3_qk_norms_map_to_q_k_layernorm_and_are_required():
         wm.hf_to_megatron_state_dict(broken, cfg)
     with pytest.raises(wm.WeightMappingError, match="attention_bias"):
         wm.ModelDims.from_hf({**cfg.to_dict(), "attention_bias": True})
+
+
+def test_safetensors_reader_reads_what_safetensors_wrote_and_names_a_bad_file(tmp_path):
+    """`SafetensorsReader` (pread, no mmap: the teacher's 7.1 GB checkpoint no longer counts as RSS while it is
+    read): the same tensors as safetensors' own loader, cast on read when asked, lazy shapes, `pop` forgets;
+    a truncated or foreign file is an error naming the file (and the tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2).to(torch.bfloat16),
+          "empty": torch.zeros(0, 4)}
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    r = wm.SafetensorsReader(tmp_path)
+    want = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(r) == sorted(want) and len(r) == 4 and r.shape_of("a") == (3, 5)
+    for k, v in want.items():
+        assert r[k].dtype == v.dtype and torch.equal(r[k], v), k
+    cast = wm.SafetensorsReader(tmp_path, dtype=torch.bfloat16)
+    assert cast["a"].dtype == torch.bfloat16 and torch.equal(cast["a"], want["a"].to(torch.bfloat16))
+    assert cast["b"].dtype == torch.int64  # integers are never cast
+    assert wm.load_hf_state_dict(tmp_path, torch.bfloat16)["c"].dtype == torch.bfloat16
+    cast.pop("a")
+    assert "a" not in cast and len(cast) == 3
+
+    data = (tmp_path / "model.safetensors").read_bytes()
+    bad = tmp_path / "cut"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(data[:-8])  # the last tensor's data cut short
+    cut = wm.SafetensorsReader(bad)
+    last = max(cut._index, key=lambda k: cut._index[k][4])
+    with pytest.raises(wm.WeightMappingError, match=f"cut/model.safetensors: tensor {last}: file ends"):
+        cut[last]
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(wm.WeightMappingError, match="not a safetensors file"):
+        wm.SafetensorsReader(bad)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        wm.SafetensorsReader(tmp_path / "cut" / "none")

@@ -153,10 +153,20 @@ def build_forward_only_model(hf_config: Any, **kwargs: Any) -> Any:
     return model
 
 
+def no_init(tp_size: int) -> Optional[dict[str, bool]]:
+    """TransformerConfig overrides for a model whose every weight is loaded from an HF checkpoint right after
+    it is built (a missing one is an error): megatron's random init would only cost time (19 s for the 1.5B
+    teacher on a 2-core CPU) and an fp32 master copy of each weight. Only at TP=1: megatron-core sets a
+    tensor-parallel weight's `tensor_model_parallel` / `partition_dim` attributes inside its init functions
+    (`_initialize_affine_weight_cpu/gpu`), so without them a TP>1 shard would count as a duplicate in the
+    gradient norm (tests/test_trainer_dist.py caught it)."""
+    return {"perform_initialization": False} if tp_size == 1 else None
+
+
 def num_parameters(model: torch.nn.Module) -> int:
     """Parameters held by this rank (shared embedding/output weights counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-__all__ = ["build_forward_only_model", "build_gpt_model", "layer_spec_for", "num_parameters",
+__all__ = ["build_forward_only_model", "build_gpt_model", "layer_spec_for", "no_init", "num_parameters",
            "resolve_layer_spec"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from megatron_opd.models.gpt import build_forward_only_model, resolve_layer_spec
+from megatron_opd.models.gpt import build_forward_only_model, no_init, resolve_layer_spec
 from megatron_opd.models.logprobs import default_tp_group, forward_backward, vocab_parallel_token_logprobs
 from megatron_opd.models.packing import budget_groups, pack_groups, packed_inputs
 from megatron_opd.models.parallel import is_pipeline_last_stage, model_parallel_coords, pipeline_group
@@ -106,12 +106,12 @@ class MegatronTeacher:
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"MegatronTeacher: {p}/config.json not found (expected an HF model directory)")
         cfg = AutoConfig.from_pretrained(str(p))
-        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype, layout=layout,
-                                         config_overrides={"perform_initialization": False})  # loaded below
         if layout is not None:
             tp_rank, tp_size, pp_rank, pp_size = layout.tp_rank, layout.tp, layout.pp_rank, layout.pp
         else:
             tp_rank, tp_size, pp_rank, pp_size = model_parallel_coords()
+        model = build_forward_only_model(cfg, layer_spec=layer_spec, params_dtype=params_dtype, layout=layout,
+                                         config_overrides=no_init(tp_size))  # every weight loaded below
         load_hf_into_megatron(model, SafetensorsReader(p, dtype=params_dtype), cfg, tp_rank=tp_rank, tp_size=tp_size,
                               pp_rank=pp_rank, pp_size=pp_size, te_names=resolve_layer_spec(layer_spec) == "te",
                               vocab_padded=model.vocab_size, consume=True)

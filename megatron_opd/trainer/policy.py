@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron_opd.config import Config
 from megatron_opd.models.dtype import resolve_dtype
 from megatron_opd.models.checkpoint import load_training_state, save_training_state, unshare_adam_step
-from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model, resolve_layer_spec
+from megatron_opd.models.gpt import build_forward_only_model, build_gpt_model, no_init, resolve_layer_spec
 from megatron_opd.models.logprobs import (Companion, default_tp_group, enable_logit_rows, forward_backward,
                                           forward_logits, mask_vocab_padding, vocab_parallel_reduce,
                                           vocab_parallel_token_logprobs)
@@ -57,7 +57,7 @@ class MegatronPolicy:
         model = builder(hf_config, layer_spec=cfg.model.layer_spec, params_dtype=self.dtype,
                         fp8=cfg.model.fp8, sequence_parallel=cfg.parallel.sequence_parallel,
                         recompute_activations=cfg.model.recompute_activations,
-                        config_overrides=NO_INIT)
+                        config_overrides=no_init(model_parallel_coords()[1]))
         _load_hf(model, hf_state_dict, hf_config, consume=consume_state)
         tp_size = model_parallel_coords()[1]
         self.total_steps = total_steps
@@ -383,11 +383,6 @@ def _shard_misfit(model: torch.nn.Module, saved: dict[str, Any]) -> Optional[str
             return f"{k}: {list(v.shape)} in the checkpoint, {list(own[k].shape)} here"
     lacking = [k for k in own if k not in saved]
     return f"{lacking[0]} is not in the checkpoint" if lacking else None
-
-
-# every weight is loaded from the HF checkpoint right after the build (a missing one is an error): megatron's
-# random init would only cost time (19 s for the 1.5B teacher here) and an fp32 master copy per weight (CPU)
-NO_INIT = {"perform_initialization": False}
 
 
 def _load_hf(model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], hf_config: Any,
