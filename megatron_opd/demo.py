@@ -253,6 +253,10 @@ def demo_overrides(student: Path, teacher: Path, data: dict[str, Path], out: Pat
         "optim.lr=5e-5", "optim.clip_grad=1.0", "algo.num_minibatches=1",
         f"logging.out_dir={out}", "logging.sample_every=1", f"checkpoint.save_every={steps}", "checkpoint.keep_last=1",
         "checkpoint.resume=never",
+        # fp32 as every documented demo and reproduction run (README, docs/results.md) was measured; `auto` would be
+        # bf16 on hosts with bf16 GEMMs (3x faster here) and move those numbers: pass
+        # `model.params_dtype=auto teacher.params_dtype=auto` to trade them for the speed
+        "model.params_dtype=float32", "teacher.params_dtype=float32",
         # the zlib repetition test scaled to 64-128-token responses: measured on the demo's rollouts, ordinary
         # answers compress 0.8-1.6x, a looping one 2.9-3.2x at 64 tokens and 5.5-6.3x at 128 (docs/reproduction.md)
         "train.health.text_threshold=2.2",
