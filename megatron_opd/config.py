@@ -134,6 +134,11 @@ class RolloutConfig:
     parity_check: Literal["error", "warn", "off"] = "error"
     max_engine_logp_absdiff: float = 0.1
     num_threads: int = 0
+    # backend=local on a CPU: decode from oneDNN-packed copies of the weights (rollout/packed.py): 1.6x faster
+    # decode on the Qwen2.5 0.5B student (docs/benchmarks.md). Off by default: with it, the 2-node torchrun
+    # kill-and-resume test (tests/test_torchrun_multinode.py) ended with metrics ~1e-4 off the uninterrupted
+    # run's in 5 of ~17 runs (never in 13 without it; cause not found), so runs are not bitwise repeatable
+    pack_weights: bool = False
     # One-step off-policy: generate step t+1's rollouts on a background thread (weights of step t) while step t
     # trains, as slime/verl's async modes do. pi_old for those rollouts is the engine's behaviour log-probs, so
     # the clipped importance ratio corrects the one-step staleness (rollout/staleness reports it). Pays off

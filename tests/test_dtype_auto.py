@@ -10,9 +10,11 @@ from megatron_opd.models import dtype as D
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
+    D._settled.clear()
     D.auto_dtype.cache_clear()
     monkeypatch.delenv(D.ENV, raising=False)
     yield
+    D._settled.clear()
     D.auto_dtype.cache_clear()
 
 
@@ -73,3 +75,14 @@ def test_real_probe_runs_and_measures():
     f32 = D.gemm_gflops(torch.float32, m=64, k=128, n=128, repeats=2)
     assert f32 > 0
     assert D.probe_cpu().dtype in (torch.float32, torch.bfloat16)
+
+
+def test_every_rank_takes_the_source_ranks_pick(monkeypatch):
+    """Two ranks on one loaded host may probe either side of the threshold: the trainer settles rank 0's pick
+    on every rank (`settle_auto_dtype(broadcast_object)`); a rank that is not the source does not probe."""
+    source = D.AutoDtype(torch.bfloat16, "rank 0's probe")
+    monkeypatch.setattr(D, "gemm_gflops", lambda *a, **k: pytest.fail("a non-source rank probed"))
+    got = D.settle_auto_dtype(lambda mine: source if mine is None else pytest.fail("sent its own"), is_source=False)
+    assert got == source and D.resolve_dtype("auto") == torch.bfloat16 and D.auto_dtype().reason == "rank 0's probe"
+    monkeypatch.setenv(D.ENV, "float32")  # a new job in the same process settles anew
+    assert D.settle_auto_dtype(lambda mine: mine).dtype == torch.float32

@@ -103,3 +103,16 @@ def test_draw_at_the_top_of_the_cdf_takes_the_last_token_with_mass(monkeypatch):
     probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda size, **k: torch.ones(size, dtype=k.get("dtype")))  # u == 1 exactly
     assert draw(probs, torch.Generator()).tolist() == [1]
+
+
+def test_config_key_reaches_the_engine(tmp_path):
+    """`rollout.pack_weights` (off by default: config.py says why) is what the trainer's engine decodes with."""
+    from megatron_opd.config import load_config
+    from megatron_opd.rollout import make_rollout_engine
+
+    model = make_tiny_hf_model("qwen2", seed=0)
+    model.save_pretrained(tmp_path / "m")
+    for overrides, want in (([], False), (["rollout.pack_weights=true"], True)):
+        cfg = load_config(None, [f"model.hf_path={tmp_path / 'm'}", *overrides])
+        engine = make_rollout_engine(cfg.rollout, str(tmp_path / "m"), pad_token_id=0)
+        assert engine.pack_weights is want

@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -74,9 +75,28 @@ def probe_cpu() -> AutoDtype:
     return AutoDtype(torch.float32, f"{facts}: below the {MIN_SPEEDUP}x that pays for mixed precision")
 
 
+_settled: list[AutoDtype] = []  # set by `settle_auto_dtype`: the pick every rank of a job shares
+
+
+def settle_auto_dtype(share: Callable[[Any], Any], is_source: bool = True) -> AutoDtype:
+    """Every rank of a job takes the source rank's pick: `share` returns the source's object on every rank
+    (the trainer passes `models.parallel.broadcast_object` and rank 0 as the source, right after the process
+    group starts). The probe is a timing: two ranks on one loaded host can measure either side of
+    MIN_SPEEDUP, and ranks of one model in different dtypes do not train together. Settled anew for each
+    job (a process may run several)."""
+    _settled.clear()
+    auto_dtype.cache_clear()
+    pick = share(auto_dtype() if is_source else None)
+    _settled[:] = [pick]
+    auto_dtype.cache_clear()
+    return pick
+
+
 @functools.lru_cache(maxsize=None)
 def auto_dtype() -> AutoDtype:
     """The dtype `auto` resolves to in this process (logged once, with why)."""
+    if _settled:
+        return _settled[0]
     forced = os.environ.get(ENV, "").strip()
     if forced:
         if forced not in ("float32", "bfloat16"):
@@ -100,4 +120,4 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype: unknown {name!r} (auto, float32, bfloat16, float16)") from None
 
 
-__all__ = ["AutoDtype", "auto_dtype", "cpu_flags", "gemm_gflops", "probe_cpu", "resolve_dtype"]
+__all__ = ["AutoDtype", "auto_dtype", "cpu_flags", "gemm_gflops", "probe_cpu", "resolve_dtype", "settle_auto_dtype"]

@@ -72,7 +72,7 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: Optional[Iterable[int]] = None,
                  pad_token_id: Optional[int] = None, max_batch_size: int = 64, weight_version: int = 0,
-                 check_finite_weights: bool = True, num_threads: int = 0, pack_weights: bool = True):
+                 check_finite_weights: bool = True, num_threads: int = 0, pack_weights: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
         if num_threads < 0:

@@ -26,7 +26,7 @@ from megatron_opd.data.prompts import load_prompts, route_teachers
 from megatron_opd.data.sampler import PromptSampler
 from megatron_opd.eval.benchmarks import load_benchmark
 from megatron_opd.inputs import check_inputs, eval_set_name
-from megatron_opd.models.dtype import resolve_dtype
+from megatron_opd.models.dtype import resolve_dtype, settle_auto_dtype
 from megatron_opd.models.hf_config import check_family
 from megatron_opd.models.parallel import (broadcast_object, data_parallel_rank_size, global_rank, init_parallel,
                                           is_pipeline_last_stage, tensor_parallel_rank)
@@ -60,6 +60,7 @@ class Trainer:
         p = cfg.parallel
         init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.backend, seed=cfg.train.seed)
         self.rank = global_rank()
+        settle_auto_dtype(broadcast_object, is_source=self.rank == 0)  # rank 0's `auto` on every rank
         self.dp_rank, self.dp_size = data_parallel_rank_size()
         self.is_last_stage = is_pipeline_last_stage()
         self.reports_metrics = self.is_last_stage and tensor_parallel_rank() == 0
