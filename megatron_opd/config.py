@@ -137,7 +137,7 @@ class RolloutConfig:
     # backend=local on a CPU: decode from oneDNN-packed copies of the weights (rollout/packed.py): 1.6x faster
     # decode on the Qwen2.5 0.5B student (docs/benchmarks.md). Off by default: with it, the 2-node torchrun
     # kill-and-resume test (tests/test_torchrun_multinode.py) ended with metrics ~1e-4 off the uninterrupted
-    # run's in 5 of ~17 runs (never in 13 without it; cause not found), so runs are not bitwise repeatable
+    # run's in 6 of 16 runs (never in 7 without it; cause not found), so runs are not bitwise repeatable
     pack_weights: bool = False
     # One-step off-policy: generate step t+1's rollouts on a background thread (weights of step t) while step t
     # trains, as slime/verl's async modes do. pi_old for those rollouts is the engine's behaviour log-probs, so
