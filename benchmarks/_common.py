@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Optional
 
-
-def proc_status_kb(key: str) -> Optional[int]:
-    """A `/proc/self/status` field in kB (VmRSS, VmHWM, ...); None where /proc is not readable."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+from megatron_opd.trainer.hostmem import proc_status_kb  # noqa: F401 - the scripts import it from here
 
 
 def free_port() -> int:

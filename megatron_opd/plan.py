@@ -418,7 +418,7 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
             tr.add("checkpoint save: optimizer state gathered", save_host_bytes(P, lay.dp, gather_in_host=True),
                    SAVE_HOW + "; on the CPU the all-gather's flat buffer too (4·P)", "save")
     if not on_gpu:
-        tr.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher), STARTUP_HOW,
+        tr.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student), STARTUP_HOW,
                "startup")
         tr.add("Adam moments, not yet allocated (startup)", -8 * P / dp_shard,
                "torch's Adam allocates exp_avg and exp_avg_sq at the first step", "startup")
@@ -447,7 +447,7 @@ def save_host_bytes(P: float, dp: int, gather_in_host: bool = False) -> float:
     return 12 * P + 12 * P / dp + 8 * P + (4 * P if gather_in_host else 0)
 
 
-def startup_host_bytes(cfg: Config, student: Arch, teacher: Optional[Arch], on_gpu: bool = False) -> float:
+def startup_host_bytes(cfg: Config, student: Arch, on_gpu: bool = False) -> float:
     """Host bytes a trainer rank holds only while it builds its models, at their largest: the student's HF
     checkpoint, read whole in the dtype it is built in (`load_hf_state_dict(dtype=)`; the checkpoint's own
     unless the reference wants no more precision) and kept until the reference is built from it; later, a
@@ -542,7 +542,7 @@ def host_plan(cfg: Config, cluster: Cluster, lay: Layout, student: Arch, teacher
     if not cpu:
         host = RankPlan("host RAM per trainer rank")
         P = max(stage_params(student, lay.tp, lay.pp, st) for st in (["only"] if lay.pp == 1 else ["first", "last"]))
-        host.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, teacher, on_gpu=True), STARTUP_HOW,
+        host.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student, on_gpu=True), STARTUP_HOW,
                  "startup")
         if cfg.optim.use_distributed_optimizer:
             host.add("checkpoint save: optimizer state gathered", save_host_bytes(P, lay.dp), SAVE_HOW, "save")

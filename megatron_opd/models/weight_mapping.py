@@ -329,16 +329,27 @@ def hf_to_megatron_state_dict(hf_sd: Mapping[str, torch.Tensor], hf_config: Any,
     A tied checkpoint may carry `lm_head.weight` only if it equals the embedding. Layer indices are
     local to the stage; the vocab is zero-padded to `vocab_padded` (default: `padded_vocab_size`).
     """
+    d, hf_sd, vp = _checked_source(hf_sd, hf_config, tp_rank, tp_size, pp_rank, pp_size, vocab_padded,
+                                   make_vocab_size_divisible_by)
+
+    return dict(_iter_megatron(hf_sd, d, tp_rank, tp_size, pp_rank, pp_size, te_names, vp))
+
+
+def _checked_source(hf_sd: Mapping[str, torch.Tensor], hf_config: Any, tp_rank: int, tp_size: int, pp_rank: int,
+                    pp_size: int, vocab_padded: Optional[int],
+                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY
+                    ) -> tuple[ModelDims, Mapping[str, torch.Tensor], int]:
+    """(dims, the canonical HF state dict, the padded vocab) for rank (`tp_rank`, `pp_rank`), every check of
+    the layout, the tensors and the padding done: what both HF -> megatron paths start from."""
     d = ModelDims.from_hf(hf_config)
     d.check_parallel(tp_size, pp_size)
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
         raise WeightMappingError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp_size} x pp={pp_size}")
-    hf_sd = canonical_hf_state_dict(hf_sd, hf_config)
-    check_hf_state_dict(hf_sd, hf_config)
+    canon = canonical_hf_state_dict(hf_sd, hf_config)
+    check_hf_state_dict(canon, hf_config)
     vp = vocab_padded or padded_vocab_size(d.vocab_size, tp_size, make_vocab_size_divisible_by)
     _check_vocab_padded(d, vp, tp_size)
-
-    return dict(_iter_megatron(hf_sd, d, tp_rank, tp_size, pp_rank, pp_size, te_names, vp))
+    return d, canon, vp
 
 
 def _iter_megatron(hf_sd: Mapping[str, torch.Tensor], d: ModelDims, tp_rank: int, tp_size: int, pp_rank: int,
@@ -519,14 +530,7 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]
     `hf_sd` layer by layer (the caller's dict: pass one nothing else needs). Building the 1.5B bf16 teacher
     so peaks at its weights plus one layer, where the two-copy path held the checkpoint, its converted copy
     and the model (~3 x 3.6 GB)."""
-    d = ModelDims.from_hf(hf_config)
-    d.check_parallel(tp_size, pp_size)
-    if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-        raise WeightMappingError(f"rank (tp_rank={tp_rank}, pp_rank={pp_rank}) outside tp={tp_size} x pp={pp_size}")
-    canon = canonical_hf_state_dict(hf_sd, hf_config)
-    check_hf_state_dict(canon, hf_config)
-    vp = vocab_padded or padded_vocab_size(d.vocab_size, tp_size)
-    _check_vocab_padded(d, vp, tp_size)
+    d, canon, vp = _checked_source(hf_sd, hf_config, tp_rank, tp_size, pp_rank, pp_size, vocab_padded)
     params = {k: v for k, v in _strip(_unwrap(model).state_dict(keep_vars=True)).items() if v is not None}
     want = {k for k in params if not k.endswith(_EXTRA_STATE)}
     pops = None if not consume else [hf_sd] if canon is hf_sd else [hf_sd, canon]

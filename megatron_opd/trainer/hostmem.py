@@ -38,7 +38,8 @@ def release_freed_memory() -> bool:
     return True
 
 
-def _status_kb(key: str) -> Optional[int]:
+def proc_status_kb(key: str) -> Optional[int]:
+    """A `/proc/self/status` field in kB (VmRSS, VmHWM, ...); None where /proc is not readable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -53,10 +54,10 @@ def host_memory_gb() -> dict[str, float]:
     """`mem/rss_gb` (resident now) and `mem/peak_rss_gb` (the process's high-water mark), where /proc has them."""
     out = {}
     for key, name in (("VmRSS", "mem/rss_gb"), ("VmHWM", "mem/peak_rss_gb")):
-        kb = _status_kb(key)
+        kb = proc_status_kb(key)
         if kb is not None:
             out[name] = kb / 2**20
     return out
 
 
-__all__ = ["host_memory_gb", "release_freed_memory"]
+__all__ = ["host_memory_gb", "proc_status_kb", "release_freed_memory"]
