@@ -96,6 +96,10 @@ class TeacherConfig:
     # the teacher's log-probs are those of softmax(logits / temperature) (1: its own distribution); in-process
     # teachers (megatron, hf) only: an SGLang server's prefill log-probs are at temperature 1
     temperature: float = 1.0
+    # a teacher whose tokenizer is not the student's (backend hf or sglang): each response is re-rendered in the
+    # teacher's chat template and tokens, aligned into chunks by bytes, and each chunk's teacher log-prob spread
+    # over its student tokens (teacher/cross_tokenizer.py); the preflight then checks that the templates render
+    cross_tokenizer: bool = False
 
 
 @dataclass
@@ -194,11 +198,18 @@ class DataConfig:
     prompt_key: str = "problem"
     answer_key: str = "answer"
     solution_key: str = "solution"
+    # the golden assistant turn: {solution} is the solution field, {answer} the answer field, any other {name} a
+    # field of the row. Solutions that never state their answer as the prompt asks (GSM8K's rationales end in a
+    # sentence, not a box) get it appended, e.g. "{solution}\nThe answer is $\\boxed{{{answer}}}$."
+    solution_template: str = "{solution}"
     prompt_template: str = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
     apply_chat_template: bool = True
     max_prompt_tokens: int = 512
     on_bad_record: Literal["skip", "error"] = "skip"
     eval_paths: list[str] = field(default_factory=list)
+    # the first N problems of each eval set, in file order (null: all): a held-out check every few steps that
+    # costs minutes, not the hours a full GSM8K test pass takes on a CPU
+    eval_limit: Optional[int] = None
     shuffle: bool = True
 
 
@@ -620,6 +631,10 @@ def validate(cfg: Config) -> None:
     need(cfg.logging.log_every >= 1, "logging.log_every", "must be >= 1")
     need(cfg.logging.sample_every >= 0, "logging.sample_every", "must be >= 0 (0: off)")
     need(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
+    need("{solution}" in cfg.data.solution_template, "data.solution_template",
+         f"must contain {{solution}} (the solution field), got {cfg.data.solution_template!r}")
+    need(cfg.data.eval_limit is None or cfg.data.eval_limit >= 1, "data.eval_limit",
+         f"must be >= 1 or null (all), got {cfg.data.eval_limit}")
     for section in ("collapse", "health"):
         sub = getattr(t, section)
         try:
@@ -678,6 +693,14 @@ def _validate_teacher(cfg: Config, t: TeacherConfig, pre: str, need: Any) -> Non
     need(t.temperature == 1.0 or t.backend != "sglang", f"{pre}.temperature",
          f"{t.temperature} needs an in-process teacher (backend megatron or hf): an SGLang server's prefill "
          "log-probs are at temperature 1")
+    if t.cross_tokenizer:
+        need(t.backend in ("hf", "sglang"), f"{pre}.cross_tokenizer",
+             f"needs {pre}.backend hf or sglang (a megatron teacher scores inside the student's batch, in the "
+             f"student's ids), got {t.backend}")
+        need(t.top_k == 0, f"{pre}.top_k", f"must be 0 with {pre}.cross_tokenizer: a teacher's top-k over another "
+             "vocabulary has no student ids (algo.golden_loss=fkl_topk needs the student's tokenizer)")
+        need(t.hf_path is not None or t.tokenizer_path is not None, f"{pre}.tokenizer_path",
+             f"{pre}.cross_tokenizer needs the teacher's tokenizer: set {pre}.hf_path or {pre}.tokenizer_path")
     need(bool(t.name) and t.name.replace("_", "a").replace("-", "a").replace(".", "a").isalnum(), f"{pre}.name",
          f"must be a non-empty name of letters, digits, '_', '-', '.' (it names metrics), got {t.name!r}")
 

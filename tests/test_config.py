@@ -250,6 +250,8 @@ def test_string_fields_take_override_text_as_typed():
     from megatron_opd.config import ConfigError, load_config
 
     assert load_config(overrides=["data.prompt_template={problem}"]).data.prompt_template == "{problem}"
+    with pytest.raises(ConfigError, match="data.solution_template: must contain"):
+        load_config(overrides=["data.solution_template=The answer is {answer}."])
     assert load_config(overrides=["data.prompt_template={problem} now"]).data.prompt_template == "{problem} now"
     with pytest.raises(ConfigError, match=r"^optim\.lr: cannot parse"):
         load_config(overrides=["optim.lr={x} y"])

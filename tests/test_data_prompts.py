@@ -149,6 +149,22 @@ def test_template_field_missing_is_reported(tmp_path, plain_tok):
         load_prompts(p, cfg(prompt_template="{topic}: {problem}", on_bad_record="error"), plain_tok)
 
 
+def test_solution_template_states_the_answer_and_names_a_missing_field(tmp_path, plain_tok):
+    """GSM8K-style rationales end in a sentence: the template appends the boxed answer the prompt asks for. The
+    default leaves the solution as written; a field the row lacks is that row's error (file:line)."""
+    rows = [{"id": "g", "problem": "48 + 24?", "answer": "72", "solution_clean": "48 + 24 = 72 clips."}]
+    p = write_lines(tmp_path / "g.jsonl", [json.dumps(r) for r in rows])
+    t = "{solution}\nThe answer is $\\boxed{{{answer}}}$."
+    [r] = load_prompts(p, cfg(solution_key="solution_clean", solution_template=t), plain_tok)
+    assert r.solution == "48 + 24 = 72 clips.\nThe answer is $\\boxed{72}$."
+    assert plain_tok.decode(r.solution_ids[:-1]) == r.solution and r.solution_ids[-1] == plain_tok.eos_token_id
+    [r] = load_prompts(p, cfg(solution_key="solution_clean"), plain_tok)
+    assert r.solution == "48 + 24 = 72 clips."
+    with pytest.raises(DataError, match=r"g\.jsonl:1: data\.solution_template uses \{level\}"):
+        load_prompts(p, cfg(solution_key="solution_clean", solution_template="{solution} ({level})",
+                            on_bad_record="error"), plain_tok)
+
+
 def test_all_bad_raises(tmp_path, plain_tok):
     p = write_lines(tmp_path / "m.jsonl", ["{bad", "[]"])
     with pytest.raises(DataError, match="no usable records"):

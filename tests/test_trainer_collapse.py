@@ -26,7 +26,7 @@ import torch
 
 from _proc import explain, run
 from _tiny import tiny_setup
-from megatron_opd.config import load_config
+from megatron_opd.config import ConfigError, load_config
 from megatron_opd.models.checkpoint import read_weights, save_training_state
 from megatron_opd.trainer.logger import read_metrics
 
@@ -262,7 +262,7 @@ def test_rollback_without_a_checkpoint_restarts_from_the_initial_student(setup, 
 
 _DRIVER = """
 import json, sys
-from megatron_opd.config import load_config
+from megatron_opd.config import ConfigError, load_config
 from megatron_opd.trainer.loop import Trainer
 
 trainer = Trainer(load_config(None, json.loads(sys.argv[1])))
@@ -392,3 +392,18 @@ def test_rollback_after_an_accuracy_collapse_returns_to_the_best_evaluation(setu
     t.guard.rollback = spy
     _run(t)
     assert targets == [(3, 1)]  # flagged at step 3 (0.2 < half of step 1's 0.5)
+
+
+def test_eval_limit_keeps_the_first_problems_of_each_set(setup, tmp_path: Path) -> None:
+    """`data.eval_limit: 3` evaluates the first 3 of the set's 4 problems, at every evaluation."""
+    _root, _s, _t, data = setup
+    out = tmp_path / "limit"
+    _run(_trainer(setup, out, "warn", 1, "train.eval_every=1", f"data.eval_paths=[arith={data['eval']}]",
+                  "data.eval_limit=3"))
+    first = [json.loads(line)["id"] for line in Path(data["eval"]).read_text().splitlines()[:3]]
+    dumps = sorted((out / "eval").rglob("samples_arith.jsonl"))
+    assert len(dumps) == 2, dumps  # step 0 and step 1
+    for f in dumps:
+        assert [json.loads(line)["id"] for line in f.read_text().splitlines() if line.strip()] == first, f
+    with pytest.raises(ConfigError, match="data.eval_limit"):
+        load_config(None, _overrides(setup, out, "warn", 1, "data.eval_limit=0"))

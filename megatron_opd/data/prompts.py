@@ -201,6 +201,21 @@ def _text_field(row: dict, key: str, required: bool) -> Optional[str]:
     return value
 
 
+def render_solution(solution: str, answer: Optional[str], row: dict, cfg: DataConfig) -> str:
+    """Fill `cfg.solution_template`: ``{solution}`` and ``{answer}`` are those fields whatever their keys are
+    called; any other ``{name}`` is taken from the row."""
+    if cfg.solution_template == "{solution}":
+        return solution
+    values = {**{k: v for k, v in row.items() if isinstance(v, (str, int, float))}, "solution": solution}
+    if answer is not None:
+        values["answer"] = answer
+    names = {f[1] for f in string.Formatter().parse(cfg.solution_template) if f[1]}
+    missing = sorted(n for n in names if n not in values)
+    if missing:
+        raise BadRecord(f"data.solution_template uses {{{missing[0]}}} but the row has no field {missing[0]!r}")
+    return cfg.solution_template.format_map(values)
+
+
 def render_prompt(problem: str, row: dict, cfg: DataConfig) -> str:
     """Fill `cfg.prompt_template`. ``{problem}`` is the prompt field whatever `prompt_key` is called; any
     other ``{name}`` is taken from the row."""
@@ -254,6 +269,8 @@ def build_record(row: dict, loc: str, cfg: DataConfig, tokenizer: Any, *, requir
     elif require_answer:
         raise BadRecord(f"missing field {cfg.answer_key!r}")
     solution = _text_field(row, cfg.solution_key, required=require_solution)
+    if solution is not None:
+        solution = render_solution(solution, answer, row, cfg)
     if use_chat is None:
         use_chat = cfg.apply_chat_template and has_chat_template(tokenizer)
     prompt, ids = tokenize_prompt(render_prompt(problem, row, cfg), tokenizer, use_chat)
@@ -335,5 +352,5 @@ def write_jsonl(rows: Sequence[dict], path: Union[str, Path]) -> Path:
 
 
 __all__ = ["BadRecord", "DataError", "PromptRecord", "PromptSet", "build_record", "encode", "eos_id",
-           "has_chat_template", "iter_rows", "load_prompts", "render_prompt", "route_teachers", "solution_ids",
-           "tokenize_prompt", "write_jsonl"]
+           "has_chat_template", "iter_rows", "load_prompts", "render_prompt", "render_solution", "route_teachers",
+           "solution_ids", "tokenize_prompt", "write_jsonl"]

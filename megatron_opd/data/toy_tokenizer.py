@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
@@ -43,4 +43,19 @@ def byte_tokenizer(chat_template: bool = True, bos: bool = False) -> Any:
     return fast
 
 
-__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "byte_tokenizer"]
+def bpe_tokenizer(corpus: list[str], vocab_size: int, template: str = CHATML_TEMPLATE) -> Any:
+    """A byte-level BPE with merges learned from `corpus` (`vocab_size` ids in all), the same special tokens and
+    EOS as `byte_tokenizer`: a second, different tokenization of the same text, for cross-tokenizer tests."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", unk_token="<|pad|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = template
+    return fast
+
+
+__all__ = ["CHATML_TEMPLATE", "SPECIAL_TOKENS", "bpe_tokenizer", "byte_tokenizer"]

@@ -217,6 +217,59 @@ def check_pair(student: Union[str, Path], teacher: Union[str, Path], engine_eos:
     return report
 
 
-__all__ = ["Finding", "PairMismatchError", "PairReport", "check_pair", "compare_chat_templates", "compare_stops",
+CROSS_PROBE_TEXTS = [PROBE_REPLY,
+                     "Natalia sold 48/2 = 24 clips in May.\nShe sold 48 + 24 = 72 clips in all.\n\n#### 72",
+                     "Let $f(x) = x^2 - 3x + 2$. Then $f(x) = (x - 1)(x - 2)$, so the roots are $1$ and $2$."]
+
+
+def check_cross_pair(student: Union[str, Path], teacher: Union[str, Path], chat_template: bool = True,
+                     s_tok: Any = None, t_tok: Any = None) -> PairReport:
+    """The checks for a teacher with another tokenizer (teacher/cross_tokenizer.py): both chat templates render
+    a user message once and as given, the teacher's template ends an assistant turn with its EOS (the student's
+    EOS is scored as it), the student has an EOS, and the alignment's coverage on a few math texts (the fraction
+    of bytes in chunks of <= COVERAGE_MAX_TOKENS student tokens), reported."""
+    from megatron_opd.teacher.cross_tokenizer import (COVERAGE_MAX_TOKENS, CrossTokenizerError, align_chunks,
+                                                      coverage, end_of_turn_id, same_tokens, template_frame,
+                                                      token_bytes)
+
+    s_tok = s_tok or AutoTokenizer.from_pretrained(str(student))
+    t_tok = t_tok or AutoTokenizer.from_pretrained(str(teacher))
+    out: list[Finding] = []
+    if same_tokens(s_tok, t_tok):
+        out.append(Finding("cross_tokenizer", "info", "the tokenizers are the same (token -> id): the teacher reads "
+                                                      "the student's ids and cross_tokenizer changes nothing"))
+    if getattr(s_tok, "eos_token_id", None) is None:
+        out.append(Finding("student_eos", "error", "the student's tokenizer has no eos_token_id"))
+    for role, tok in (("student", s_tok), ("teacher", t_tok)):
+        if not chat_template:
+            break
+        if not has_chat_template(tok):
+            out.append(Finding(f"{role}_template", "error", f"the {role}'s tokenizer has no chat template to render "
+                                                             "the conversation with (data.apply_chat_template)"))
+            continue
+        try:
+            template_frame(tok)
+        except Exception as e:  # a template that raises on a plain conversation cannot be rendered
+            out.append(Finding(f"{role}_template", "error", f"cannot render a conversation: {e}"))
+    if chat_template and has_chat_template(t_tok):
+        try:
+            eot = end_of_turn_id(t_tok)
+            out.append(Finding("end_of_turn", "ok", f"the student's EOS {_token(s_tok, s_tok.eos_token_id)} is scored "
+                                                    f"as the teacher's end of turn {_token(t_tok, eot)}"))
+        except CrossTokenizerError as e:
+            out.append(Finding("end_of_turn", "error", str(e)))
+    chunks = []
+    for text in CROSS_PROBE_TEXTS:
+        s_ids, t_ids = encode(s_tok, text, add_special_tokens=False), encode(t_tok, text, add_special_tokens=False)
+        chunks += align_chunks(token_bytes(s_tok, s_ids), token_bytes(t_tok, t_ids))
+    cov = coverage(chunks)
+    out.append(Finding("coverage", "ok" if cov >= 0.5 else "warn",
+                       f"{cov:.3f} of the probe texts' bytes lie in chunks of <= {COVERAGE_MAX_TOKENS} student tokens "
+                       f"({len(chunks)} chunks, {sum(c.s1 - c.s0 for c in chunks) / max(len(chunks), 1):.2f} student "
+                       f"tokens each)"))
+    return PairReport(out)
+
+
+__all__ = ["Finding", "PairMismatchError", "PairReport", "check_cross_pair", "check_pair", "compare_chat_templates", "compare_stops",
            "compare_teacher_server", "probe_ids",
            "compare_tokenizers", "compare_vocab", "topk_id_limit"]

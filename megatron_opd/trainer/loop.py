@@ -91,7 +91,7 @@ class Trainer:
         route_teachers(self.prompts, cfg.teacher_route, [t.name for t in cfg.all_teachers()])
         self.sampler = PromptSampler(self.prompts.records, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
                                      batch_size=cfg.train.prompts_per_step)
-        self.eval_sets = {name: load_benchmark(name, path, self.tokenizer, cfg.data)
+        self.eval_sets = {name: load_benchmark(name, path, self.tokenizer, cfg.data, limit=cfg.data.eval_limit)
                           for name, path in map(eval_set_name, cfg.data.eval_paths)}
         self.guard = Guard(cfg, self.rank)
         self.rollouts = Rollouts(cfg, rank=self.rank, dp_parts=self.dp_size, tokenizer=self.tokenizer,

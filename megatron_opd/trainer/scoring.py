@@ -20,16 +20,18 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from megatron_opd.config import Config, ConfigError, TeacherConfig
+from megatron_opd.data.prompts import has_chat_template
 from megatron_opd.models.offload import WeightOffloader
 from megatron_opd.models.parallel import free_port, make_layout
 from megatron_opd.models.weight_mapping import SafetensorsReader, load_hf_state_dict
 from megatron_opd.rollout.base import eos_ids_from
 from megatron_opd.rollout.server import (ServerError, ServerProcess, api_key_from_env, http_json, sglang_cli_args,
                                          sglang_server_cmd)
-from megatron_opd.teacher.fidelity import PairMismatchError, check_pair, topk_id_limit
+from megatron_opd.teacher.cross_tokenizer import CrossTokenizerTeacher
+from megatron_opd.teacher.fidelity import PairMismatchError, check_cross_pair, check_pair, topk_id_limit
 from megatron_opd.teacher.hf import HFTeacher
 from megatron_opd.teacher.megatron import MegatronTeacher
 from megatron_opd.teacher.sglang import SGLangTeacher
@@ -77,7 +79,8 @@ def _preflight_one(cfg: Config, t: TeacherConfig, key: str, rank: int) -> None:
         if rank == 0:
             logger.warning("%s", msg)
         return
-    report = check_pair(cfg.model.hf_path, files, chat_template=cfg.data.apply_chat_template)
+    check = check_cross_pair if t.cross_tokenizer else check_pair
+    report = check(cfg.model.hf_path, files, chat_template=cfg.data.apply_chat_template)
     if rank == 0:
         logger.info("student/teacher preflight, %s %r (%s vs %s):\n%s", key, t.name, cfg.model.hf_path, files,
                     report.render())
@@ -179,9 +182,16 @@ class Scorer:
             vocab = AutoConfig.from_pretrained(t.hf_path or t.tokenizer_path or self.cfg.model.hf_path).vocab_size
             if t.server_url is None:
                 slot.server = self.launch_teacher_server(t)
-            slot.external = SGLangTeacher(t.server_url or slot.server, eos_token_ids=eos,
+            slot.external = SGLangTeacher(t.server_url or slot.server,
+                                          eos_token_ids=eos_ids_from(t.hf_path or t.tokenizer_path) if
+                                          t.cross_tokenizer else eos,
                                           micro_batch_size=t.micro_batch_size or 8, retries=t.retries,
                                           api_key=api_key_from_env(t.api_key_env), vocab_size=vocab)
+        if slot.external is not None and t.cross_tokenizer:
+            slot.external = CrossTokenizerTeacher(
+                slot.external, self.tokenizer, AutoTokenizer.from_pretrained(t.tokenizer_path or t.hf_path),
+                chat_template=self.cfg.data.apply_chat_template and has_chat_template(self.tokenizer),
+                student_eos_ids=eos_ids_from(self.cfg.model.hf_path))
 
     def _build_layout_teacher(self, t: TeacherConfig, key: str) -> MegatronTeacher:
         """An in-process megatron teacher laid out tensor_model_parallel_size x pipeline_model_parallel_size
@@ -251,6 +261,8 @@ class Scorer:
             if slot.external is not None:
                 scores = slot.external.score([items[i].prompt_ids for i in rows], [items[i].response_ids for i in rows])
                 out.update({i: s.logprobs.tolist() for i, s in zip(rows, scores)})
+                if isinstance(slot.external, CrossTokenizerTeacher):
+                    out.setdefault("cross", {})[slot.name] = dict(slot.external.last_stats)
         for slot, rows in self._rows_by_slot(items, gold):
             if slot.external is None:
                 continue

@@ -138,6 +138,10 @@ def step_metrics(batch: TrainBatch, payload: dict[str, Any], train_stats: list[d
             for k in ("rollout/repetition_rate", "rollout/truncation_rate"):
                 if k in part:
                     merged[f"{k}/{name}"] = part[k]
+        for name, st in ((payload.get("teacher") or {}).get("cross") or {}).items():  # cross-tokenizer teachers
+            suffix = f"/{name}" if payload.get("teacher_names") else ""
+            for k in ("coverage", "student_tokens_per_chunk", "max_chunk_tokens"):
+                merged[f"teacher/cross_{k}{suffix}"] = st[k]
         merged.update(gpu_stats())
     return merged
 
