@@ -42,6 +42,9 @@ def main(argv: list[str]) -> int:
                    help="check a student/teacher pair of HF directories (tokenizers, special tokens, chat template, "
                         "EOS ids, golden end token, vocab padding); exit 1 if they disagree")
     p.add_argument("--no-chat-template", action="store_true", help="the run feeds raw prompts (no chat template)")
+    p.add_argument("--cross-tokenizer", action="store_true",
+                   help="with --pair: the teacher has another tokenizer (teacher.cross_tokenizer): check that both chat "
+                        "templates render and the teacher ends a turn with its EOS, and report the alignment's coverage")
     p.add_argument("--teacher-url", default=None,
                    help="with --pair: also score a probe with this SGLang teacher server and with TEACHER in-process "
                         "(HF, on this machine) and compare the log-probs")
@@ -56,7 +59,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from megatron_opd.rollout.server import api_key_from_env
-    from megatron_opd.teacher.fidelity import check_pair, compare_teacher_server
+    from megatron_opd.teacher.fidelity import check_cross_pair, check_pair, compare_teacher_server
 
     student, teacher = args.pair
     for role, path in (("STUDENT", student), ("TEACHER", teacher)):
@@ -64,8 +67,13 @@ def main(argv: list[str]) -> int:
             print(f"megatron-opd doctor: --pair: {role} {path}: not found (expected an HF model directory)",
                   file=sys.stderr)
             return 2
+    if args.cross_tokenizer and args.teacher_url:
+        print("megatron-opd doctor: --teacher-url compares a served teacher token for token with the in-process one; "
+              "not with --cross-tokenizer", file=sys.stderr)
+        return 2
     try:
-        pair = check_pair(student, teacher, chat_template=not args.no_chat_template)
+        pair = (check_cross_pair if args.cross_tokenizer else check_pair)(student, teacher,
+                                                                          chat_template=not args.no_chat_template)
         if args.teacher_url:
             pair.findings += compare_teacher_server(
                 teacher, args.teacher_url, AutoTokenizer.from_pretrained(student), api_key_from_env(args.api_key_env),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,43 @@ def test_cross_tokenizer_config_errors_name_the_key(setup, tmp_path):
                        (("algo.golden_loss=fkl_topk", "teacher.top_k=4"), "teacher.top_k")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, _overrides(setup, tmp_path / "x", bpe_teacher, "teacher.cross_tokenizer=true", *extra))
+
+
+def test_doctor_and_probe_accept_the_pair_only_as_cross_tokenizer(setup, tmp_path, capsys):
+    """`doctor --pair` refuses the pair token for token and, with --cross-tokenizer, accepts it and prints the
+    coverage; `probe --cross-tokenizer` measures it (the teacher's own samples decoded by its own tokenizer)."""
+    from megatron_opd.doctor import main as doctor_main
+    from megatron_opd.eval.probe import main as probe_main
+
+    student, _, bpe_teacher, _ = setup
+    assert doctor_main(["--pair", str(student), str(bpe_teacher)]) == 1
+    capsys.readouterr()
+    assert doctor_main(["--pair", str(student), str(bpe_teacher), "--cross-tokenizer"]) == 0
+    out = capsys.readouterr().out
+    assert "coverage:" in out and "end_of_turn" in out
+    assert doctor_main(["--pair", str(student), str(bpe_teacher), "--cross-tokenizer", "--teacher-url",
+                        "http://127.0.0.1:1"]) == 2
+    report = tmp_path / "probe.json"
+    assert probe_main(["--student", str(student), "--teacher", str(bpe_teacher), "--n", "4", "--budget", "24",
+                       "--copies", "2", "--cross-tokenizer", "--json", str(report)]) == 0
+    got = json.loads(report.read_text())
+    assert got["n_samples"] == 4 and got["teacher"]["n"] == 4 and math.isfinite(got["adv_original"])
+    assert probe_main(["--student", str(student), "--teacher", str(bpe_teacher), "--n", "4", "--budget", "24"]) == 1
+
+
+def test_a_teacher_whose_template_cannot_render_is_refused(setup, tmp_path, capsys):
+    import shutil
+
+    from megatron_opd.doctor import main as doctor_main
+
+    student, _, bpe_teacher, _ = setup
+    bad = Path(shutil.copytree(bpe_teacher, tmp_path / "bad"))
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ raise_exception('no user turns here') }}"
+    (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in bad.glob("chat_template.*"):
+        f.unlink()
+    assert doctor_main(["--pair", str(student), str(bad), "--cross-tokenizer"]) == 1
+    assert "teacher_template" in capsys.readouterr().out
+    with pytest.raises(Exception, match="teacher_template"):
+        _train(load_config(None, _overrides(setup, tmp_path / "bad_run", bad, "teacher.cross_tokenizer=true")))

@@ -44,7 +44,8 @@ from megatron_opd.rollout.server import api_key_from_env
 from megatron_opd.rollout.sglang_engine import SGLangEngine
 from megatron_opd.teacher import make_teacher
 from megatron_opd.teacher.base import Teacher
-from megatron_opd.teacher.fidelity import check_pair
+from megatron_opd.teacher.cross_tokenizer import CrossTokenizerTeacher
+from megatron_opd.teacher.fidelity import check_cross_pair, check_pair
 from megatron_opd.teacher.hf import HFTeacher
 
 QUANTILES = (0.1, 0.5, 0.9, 0.99)
@@ -402,6 +403,24 @@ def load_probe_prompts(path: Optional[str], tokenizer: Any, limit: int, use_chat
     return [rec.prompt_ids for rec in load_prompts(path, cfg, tokenizer, require_answer=False, limit=limit)]
 
 
+class _OwnTokens:
+    """A teacher engine with another tokenizer, for (c): the student's prompts carried into the teacher's template,
+    the teacher's samples returned as text re-encoded by the student's tokenizer (only their text, length in
+    tokens and stop are read)."""
+
+    def __init__(self, engine: Any, student_tok: Any, teacher_tok: Any):
+        self.engine, self.student_tok, self.teacher_tok = engine, student_tok, teacher_tok
+        self.eos_token_ids = getattr(engine, "eos_token_ids", [])
+
+    def generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[Sample]:
+        x = CrossTokenizerTeacher(self, self.student_tok, self.teacher_tok)
+        out = self.engine.generate([x.teacher_prompt(p) for p in prompts], sp)
+        for s in out:
+            text = self.teacher_tok.decode(list(s.response_ids), skip_special_tokens=True)
+            s.response_ids = self.student_tok.encode(text, add_special_tokens=False)
+        return out
+
+
 def _teacher(args: argparse.Namespace, student_eos: list[int]) -> tuple[Teacher, Any]:
     """(scorer, engine for its own samples or None) for --teacher-backend."""
     if args.teacher_backend == "hf":
@@ -448,6 +467,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preflight", choices=("error", "warn"), default="error",
                    help="the pair checks of doctor --pair: error stops on a mismatch, warn prints it and probes "
                         "anyway (an EOS-disagreement pair)")
+    p.add_argument("--cross-tokenizer", action="store_true",
+                   help="the teacher has another tokenizer (teacher.cross_tokenizer): it scores the student's text in "
+                        "its own template and tokens, each chunk's log-prob spread over the student's tokens; (c)'s "
+                        "teacher samples are decoded by the teacher's tokenizer")
     p.add_argument("--json", default=None, help="write the report here as JSON")
     args = p.parse_args(argv)
     if not args.temperature > 0:
@@ -459,7 +482,8 @@ def main(argv: list[str]) -> int:
             print(f"megatron-opd probe: {role} {path}: not found (expected an HF model directory)", file=sys.stderr)
             return 2
     try:
-        pair = check_pair(args.student, args.teacher, chat_template=not args.no_chat_template)
+        pair = (check_cross_pair if args.cross_tokenizer else check_pair)(args.student, args.teacher,
+                                                                          chat_template=not args.no_chat_template)
         if pair.errors:
             print(f"student {args.student}\nteacher {args.teacher}\n{pair.render()}\n\n{len(pair.errors)} "
                   "problem(s) (the checks of doctor --pair): the teacher would score mismatched tokens"
@@ -472,6 +496,11 @@ def main(argv: list[str]) -> int:
         engine = LocalEngine.from_pretrained(args.student)
         scorer = HFTeacher(engine.model, eos_token_ids=engine.eos_token_ids, pad_token_id=engine.pad_token_id)
         teacher, teacher_engine = _teacher(args, engine.eos_token_ids)
+        if args.cross_tokenizer:
+            t_tok = AutoTokenizer.from_pretrained(args.teacher)
+            teacher = CrossTokenizerTeacher(teacher, tokenizer, t_tok, chat_template=not args.no_chat_template,
+                                            student_eos_ids=engine.eos_token_ids)
+            teacher_engine = _OwnTokens(teacher_engine, tokenizer, t_tok) if teacher_engine is not None else None
         report = probe(engine, scorer, teacher, tokenizer, prompts, n=args.n, budget=args.budget,
                        copies=args.copies, temperature=args.temperature, seed=args.seed, margin=args.margin,
                        teacher_engine=teacher_engine)

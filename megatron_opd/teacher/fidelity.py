@@ -251,13 +251,15 @@ def check_cross_pair(student: Union[str, Path], teacher: Union[str, Path], chat_
             template_frame(tok)
         except Exception as e:  # a template that raises on a plain conversation cannot be rendered
             out.append(Finding(f"{role}_template", "error", f"cannot render a conversation: {e}"))
-    if chat_template and has_chat_template(t_tok):
+    if chat_template and not any(f.check == "teacher_template" for f in out):
         try:
             eot = end_of_turn_id(t_tok)
             out.append(Finding("end_of_turn", "ok", f"the student's EOS {_token(s_tok, s_tok.eos_token_id)} is scored "
                                                     f"as the teacher's end of turn {_token(t_tok, eot)}"))
         except CrossTokenizerError as e:
             out.append(Finding("end_of_turn", "error", str(e)))
+        except Exception as e:  # the template raised on a user + assistant conversation
+            out.append(Finding("teacher_template", "error", f"cannot render an assistant turn: {e}"))
     chunks = []
     for text in CROSS_PROBE_TEXTS:
         s_ids, t_ids = encode(s_tok, text, add_special_tokens=False), encode(t_tok, text, add_special_tokens=False)
