@@ -363,7 +363,7 @@ def run_benchmark(engine: RolloutEngine, tokenizer: Any, name: str, prompts: Pro
         abs_tol = float(rec.meta.get("abs_tol", 0.0) or 0.0)
         for j, s in enumerate(samples):
             text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-            g = grade_response(text, rec.answer or "", grade_timeout_s, abs_tol=abs_tol)
+            g = grade_response(text, rec.answer or "", grade_timeout_s, abs_tol=abs_tol, truncated=s.truncated)
             flags.append(g.correct)
             statuses[g.status] += 1
             lengths.append(len(s.response_ids))
