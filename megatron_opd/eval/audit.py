@@ -11,7 +11,8 @@ in seconds on any machine and tells a user how far to trust the grader on their 
 With ``--labelled FILE`` it measures the grader against a team's own human labels instead: a JSONL file of
 ``{"gold": ..., "prediction": ... | "response": ..., "label": true/false, "category": ... (optional)}``
 (``prediction`` is an extracted answer, ``response`` a whole model response to extract from; ``label`` may
-also be "correct"/"incorrect" or 1/0). It prints the false accepts first (a wrong answer graded correct
+also be "correct"/"incorrect" or 1/0; ``"truncated": true`` marks a response cut at its budget, graded only by
+an answer it states as final). It prints the false accepts first (a wrong answer graded correct
 inflates every accuracy the project reports), by category, most first; then the false rejects; then
 agreement per category with the slowest case's grading time (``--show`` examples of each per category), so
 a team can audit the grader on its data before trusting a number::
@@ -184,6 +185,7 @@ class LabelledCase:
     label: bool
     category: str
     abs_tol: float = 0.0
+    truncated: bool = False
 
 
 def read_labelled(path: Path) -> list[LabelledCase]:
@@ -224,8 +226,11 @@ def read_labelled(path: Path) -> list[LabelledCase]:
         tol = row.get("abs_tol", 0.0)
         if not isinstance(tol, (int, float)) or tol < 0:
             raise LabelledError(f"{path}:{n}: field 'abs_tol' must be a number >= 0")
+        cut = row.get("truncated", False)
+        if not isinstance(cut, bool):
+            raise LabelledError(f"{path}:{n}: field 'truncated' must be true/false (the response was cut at its budget)")
         cases.append(LabelledCase(n, gold, text, is_response, _LABELS[key], str(row.get("category") or "all"),
-                                  float(tol)))
+                                  float(tol), cut))
     if not cases:
         raise LabelledError(f"{path}: no cases")
     return cases
@@ -254,7 +259,7 @@ def audit_labelled(cases: list[LabelledCase], timeout_s: Optional[int] = 5) -> l
     for case in cases:
         t0 = time.perf_counter()
         if case.is_response:
-            g = grade_response(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
+            g = grade_response(case.text, case.gold, timeout_s, abs_tol=case.abs_tol, truncated=case.truncated)
         else:
             g = grade_answer(case.text, case.gold, timeout_s, abs_tol=case.abs_tol)
         seconds = time.perf_counter() - t0
