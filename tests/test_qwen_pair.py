@@ -7,6 +7,7 @@ is an error naming the pip command, never a skip."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -152,3 +153,27 @@ def test_a_smollm2_student_is_scored_in_qwens_template_with_its_eos_as_im_end(re
     [([tp], [tr])] = inner.calls
     assert tp == tokenize_prompt(question, qwen, use_chat=True)[1]  # Qwen's own system prompt and template
     assert tr[-1] == 151645 and qwen.decode(tr[:-1]) == answer  # the student's <|im_end|> -> Qwen's <|im_end|>
+
+
+def test_demo_cross_tokenizer_trains_smollm2_under_qwen(qwen05, tmp_path, capsys):
+    """`megatron-opd demo --cross-tokenizer` for 2 steps on a few GSM8K-style problems of its own: the table has
+    both steps, coverage in (0, 1], finite advantages, and the alignment example ends with the EOS chunk
+    (SmolLM2's <|im_end|> against Qwen's)."""
+    from megatron_opd.demo import main as demo_main
+
+    data = tmp_path / "gsm.jsonl"
+    rows = [{"problem": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+             "answer": str(a + b), "solution_clean": f"Tom has {a} + {b} = {a + b} apples."}
+            for a, b in ((3, 4), (12, 9), (25, 17), (40, 2), (7, 8), (60, 15))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "demo"
+    assert demo_main(["--cross-tokenizer", "--steps", "2", "--data", str(data), "--out", str(out),
+                      "rollout.max_new_tokens=48"]) == 0
+    text = (out / "table.md").read_text()
+    assert "'<|im_end|>' | '<|im_end|>'" in text or "rollout" in text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "adv/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 < r["teacher/cross_coverage"] <= 1 and r["logp/teacher_mean"] < 0
+        assert all(math.isfinite(r[k]) for k in ("adv/mean", "loss/total_loss"))

@@ -181,8 +181,8 @@ def end_of_turn_id(tokenizer: Any) -> int:
     if eos is None:
         raise CrossTokenizerError("the teacher's tokenizer has no eos_token_id")
     reply = "4"
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": reply}],
-                                        tokenize=False, add_generation_prompt=False)
+    turn = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": reply}]
+    ids = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=False)
     cut = ids.rfind(reply)
     after = encode(tokenizer, ids[cut + len(reply):], add_special_tokens=False) if cut >= 0 else []
     if not after or after[0] != int(eos):
@@ -217,14 +217,15 @@ class CrossTokenizerTeacher:
         self.eos_token_ids = sorted(self.student_eos)
         self.teacher_eos = end_of_turn_id(teacher_tokenizer) if chat_template else int(teacher_tokenizer.eos_token_id)
         if chat_template:
-            self.student_frame, self.teacher_frame = template_frame(student_tokenizer), template_frame(teacher_tokenizer)
+            self.student_frame = template_frame(student_tokenizer)
+            self.teacher_frame = template_frame(teacher_tokenizer)
         self.vocab_size = getattr(inner, "vocab_size", None)
         self.last_stats: dict[str, float] = {}
         self._prompt_cache: dict[tuple[int, ...], list[int]] = {}
 
     def user_text(self, prompt_ids: Sequence[int]) -> str:
         """The message the student's prompt ids carry (the raw prompt without chat templates)."""
-        text = self.student_tok.decode(list(prompt_ids), skip_special_tokens=False)
+        text = self.student_tok.decode(list(prompt_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if not self.chat:
             bos = getattr(self.student_tok, "bos_token", None)
             return text[len(bos):] if bos and text.startswith(bos) else text
