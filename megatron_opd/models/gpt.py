@@ -133,11 +133,26 @@ def build_gpt_model(
             **gpt_kwargs,
             **extra,
         )
+    if config.params_dtype in (torch.bfloat16, torch.float16):
+        _to_params_dtype(model, config.params_dtype)
     # The real vocabulary: logits columns >= this index are padding (see logprobs.py).
     model.hf_vocab_size = int(hf_config["vocab_size"] if isinstance(hf_config, dict) else hf_config.vocab_size)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def _to_params_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every float parameter in `dtype`, as megatron's Float16Module makes them (megatron's training loop wraps
+    half-precision models in it; we build the GPTModel directly). Without it the local spec's norms
+    (WrappedTorchNorm: torch.nn.RMSNorm / LayerNorm, made in the default dtype) stayed fp32 in a bf16 model, and
+    megatron's Float16OptimizerWithFloat16Params, which maps optimizer state to model tensors through its fp16
+    groups only, failed every checkpoint save without the distributed optimizer ("Optimizer shape ((896,) does
+    not match model shape ((1152,))", the Qwen2.5 0.5B at its first save). Transformer Engine's norms are made in
+    params_dtype already."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
 
 
 def build_forward_only_model(hf_config: Any, **kwargs: Any) -> Any:
