@@ -30,12 +30,18 @@ def test_example_loads(path: Path):
     cfg = load_config(path)
     raw = yaml.safe_load(path.read_text())
     # every key written in the file survived loading (no silently ignored section)
-    for section, values in raw.items():
+    def check(obj, values: dict, where: str) -> None:
         for key, value in values.items():
-            got = getattr(getattr(cfg, section), key)
+            got = getattr(obj, key)
+            if isinstance(value, dict) and not isinstance(got, dict):  # a nested section (train.health)
+                check(got, value, f"{where}.{key}")
+                continue
             if isinstance(value, str) and value.startswith("~"):
                 value = os.path.expanduser(value)
-            assert got == value or (isinstance(value, int) and got == float(value)), f"{path.name}: {section}.{key}"
+            assert got == value or (isinstance(value, int) and got == float(value)), f"{path.name}: {where}.{key}"
+
+    for section, values in raw.items():
+        check(getattr(cfg, section), values, section)
     # TP / PP divide the declared student shape (validate() also checks; this pins the declaration)
     m, p = cfg.model, cfg.parallel
     assert m.num_attention_heads is not None and m.num_query_groups is not None and m.num_layers is not None
