@@ -117,5 +117,5 @@ def test_a_teacher_whose_template_cannot_render_is_refused(setup, tmp_path, caps
         f.unlink()
     assert doctor_main(["--pair", str(student), str(bad), "--cross-tokenizer"]) == 1
     assert "teacher_template" in capsys.readouterr().out
-    with pytest.raises(Exception, match="teacher_template"):
+    with pytest.raises(Exception, match=r"^teacher: student/teacher pair: teacher_template"):
         _train(load_config(None, _overrides(setup, tmp_path / "bad_run", bad, "teacher.cross_tokenizer=true")))

@@ -162,7 +162,7 @@ def test_trainer_stops_a_mismatched_pair_before_loading_models(setup, tmp_path, 
     with pytest.raises(PairMismatchError, match=r"eos: EOS ids differ: student \[2"):
         Trainer(load_config(None, _overrides(setup, student, bad, tmp_path / "o")))
     assert cli.main(_overrides(setup, student, bad, tmp_path / "o2")) == 2
-    assert "preflight: student/teacher pair: eos: EOS ids differ" in capsys.readouterr().err
+    assert "preflight: teacher: student/teacher pair: eos: EOS ids differ" in capsys.readouterr().err
     monkeypatch.undo()
     trainer = Trainer(load_config(None, _overrides(setup, student, bad, tmp_path / "o3", "teacher.preflight=warn",
                                                    "teacher.backend=hf")))

@@ -85,12 +85,10 @@ def _preflight_one(cfg: Config, t: TeacherConfig, key: str, rank: int) -> None:
         logger.info("student/teacher preflight, %s %r (%s vs %s):\n%s", key, t.name, cfg.model.hf_path, files,
                     report.render())
     if report.errors and t.preflight == "error":
-        if not cfg.teachers:
-            report.raise_for_errors()
         try:
             report.raise_for_errors()
-        except PairMismatchError as e:
-            raise PairMismatchError(f"{key} ({t.name!r}): {e}") from None
+        except PairMismatchError as e:  # names the teacher's key: `teacher` or `teachers[i] ('name')`
+            raise PairMismatchError(f"{key}: {e}" if not cfg.teachers else f"{key} ({t.name!r}): {e}") from None
     for f in report.errors if rank == 0 else []:
         logger.warning("%s.preflight=warn: %s: %s", key, f.check, f.message)
 
