@@ -44,7 +44,7 @@ from megatron_opd.rollout.server import api_key_from_env
 from megatron_opd.rollout.sglang_engine import SGLangEngine
 from megatron_opd.teacher import make_teacher
 from megatron_opd.teacher.base import Teacher
-from megatron_opd.teacher.cross_tokenizer import CrossTokenizerTeacher
+from megatron_opd.teacher.cross_tokenizer import COVERAGE_MAX_TOKENS, CrossTokenizerTeacher
 from megatron_opd.teacher.fidelity import check_cross_pair, check_pair
 from megatron_opd.teacher.hf import HFTeacher
 
@@ -508,9 +508,16 @@ def main(argv: list[str]) -> int:
         print(f"megatron-opd probe: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(f"student {args.student}\nteacher {args.teacher} ({args.teacher_backend})\n{render(report)}")
+    extra = {}
+    if args.cross_tokenizer:
+        a = teacher.summary()
+        extra["cross_alignment"] = a
+        print(f"\nalignment (another tokenizer): {a['coverage']:.3f} of the scored responses' bytes in chunks of <= "
+              f"{COVERAGE_MAX_TOKENS} student tokens; {a['chunks']:.0f} chunks over {a['rows']:.0f} scored responses, "
+              f"{a['student_tokens_per_chunk']:.2f} student tokens each\n{pair.render()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"student_path": args.student, "teacher_path": args.teacher,
-                                               "teacher_backend": args.teacher_backend, **report.to_json()},
+                                               "teacher_backend": args.teacher_backend, **report.to_json(), **extra},
                                               indent=1, allow_nan=True) + "\n")
     return 0

@@ -221,6 +221,7 @@ class CrossTokenizerTeacher:
             self.teacher_frame = template_frame(teacher_tokenizer)
         self.vocab_size = getattr(inner, "vocab_size", None)
         self.last_stats: dict[str, float] = {}
+        self._seen = {"rows": 0, "chunks": 0, "student_tokens": 0, "bytes": 0, "bytes_covered": 0}
         self._prompt_cache: dict[tuple[int, ...], list[int]] = {}
 
     def user_text(self, prompt_ids: Sequence[int]) -> str:
@@ -279,7 +280,18 @@ class CrossTokenizerTeacher:
             "student_tokens_per_chunk": (sum(c.s1 - c.s0 for c in chunks) / len(chunks)) if chunks else 0.0,
             "max_chunk_tokens": float(max((c.s1 - c.s0 for c in chunks), default=0)),
             "bytes": float(nbytes)}
+        small = sum(c.nbytes for c in chunks if c.s1 - c.s0 <= COVERAGE_MAX_TOKENS)
+        for k, v in (("rows", len(rows)), ("chunks", len(chunks)), ("student_tokens", sum(c.s1 - c.s0 for c in chunks)),
+                     ("bytes", nbytes), ("bytes_covered", small)):
+            self._seen[k] += v
         return validate_scores(out, responses, source="CrossTokenizerTeacher")
+
+    def summary(self) -> dict[str, float]:
+        """The alignment over every row scored so far: rows, chunks, coverage, student tokens per chunk."""
+        n = self._seen
+        return {"rows": float(n["rows"]), "chunks": float(n["chunks"]),
+                "coverage": n["bytes_covered"] / n["bytes"] if n["bytes"] else 1.0,
+                "student_tokens_per_chunk": n["student_tokens"] / n["chunks"] if n["chunks"] else 0.0}
 
 
 __all__ = ["COVERAGE_MAX_TOKENS", "Aligned", "Chunk", "CrossTokenizerError", "CrossTokenizerTeacher",
