@@ -101,7 +101,7 @@ def test_doctor_and_probe_accept_the_pair_only_as_cross_tokenizer(setup, tmp_pat
     got = json.loads(report.read_text())
     assert got["n_samples"] == 4 and got["teacher"]["n"] == 4 and math.isfinite(got["adv_original"])
     # random byte models write invalid UTF-8: the alignment stops at the first invalid byte (coverage may be 0)
-    assert 0 <= got["cross_alignment"]["coverage"] <= 1 and got["cross_alignment"]["rows"] >= 4
+    assert 0 <= got["cross_alignment"]["coverage"] <= 1 and got["cross_alignment"]["rows"] >= 1
     assert "alignment (another tokenizer):" in capsys.readouterr().out
     assert probe_main(["--student", str(student), "--teacher", str(bpe_teacher), "--n", "4", "--budget", "24"]) == 1
 
