@@ -157,8 +157,7 @@ def test_a_smollm2_student_is_scored_in_qwens_template_with_its_eos_as_im_end(re
 
 def test_demo_cross_tokenizer_trains_smollm2_under_qwen(qwen05, tmp_path, capsys):
     """`megatron-opd demo --cross-tokenizer` for 2 steps on a few GSM8K-style problems of its own: the table has
-    both steps, coverage in (0, 1], finite advantages, and the alignment example ends with the EOS chunk
-    (SmolLM2's <|im_end|> against Qwen's)."""
+    both steps, coverage in (0, 1], finite advantages, and the alignment example shows Qwen's own template."""
     from megatron_opd.demo import main as demo_main
 
     data = tmp_path / "gsm.jsonl"
@@ -170,7 +169,8 @@ def test_demo_cross_tokenizer_trains_smollm2_under_qwen(qwen05, tmp_path, capsys
     assert demo_main(["--cross-tokenizer", "--steps", "2", "--data", str(data), "--out", str(out),
                       "rollout.max_new_tokens=48"]) == 0
     text = (out / "table.md").read_text()
-    assert "'<|im_end|>' | '<|im_end|>'" in text or "rollout" in text
+    assert "One rollout of the last step, aligned" in text and "| step | coverage |" in text
+    assert "(its own template: '<|im_start|>system\\nYou are Qwen" in text  # the teacher's template, not SmolLM2's
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "adv/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
