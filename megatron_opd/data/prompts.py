@@ -201,31 +201,30 @@ def _text_field(row: dict, key: str, required: bool) -> Optional[str]:
     return value
 
 
+def _fill(template: str, key: str, row: dict, fields: dict[str, str]) -> str:
+    """`template` filled from `fields` and, for any other ``{name}``, the row's scalar fields; a name the row
+    lacks is a BadRecord naming the config key."""
+    values = {**{k: v for k, v in row.items() if isinstance(v, (str, int, float))}, **fields}
+    names = {f[1] for f in string.Formatter().parse(template) if f[1]}
+    missing = sorted(n for n in names if n not in values)
+    if missing:
+        raise BadRecord(f"{key} uses {{{missing[0]}}} but the row has no field {missing[0]!r}")
+    return template.format_map(values)
+
+
 def render_solution(solution: str, answer: Optional[str], row: dict, cfg: DataConfig) -> str:
     """Fill `cfg.solution_template`: ``{solution}`` and ``{answer}`` are those fields whatever their keys are
     called; any other ``{name}`` is taken from the row."""
     if cfg.solution_template == "{solution}":
         return solution
-    values = {**{k: v for k, v in row.items() if isinstance(v, (str, int, float))}, "solution": solution}
-    if answer is not None:
-        values["answer"] = answer
-    names = {f[1] for f in string.Formatter().parse(cfg.solution_template) if f[1]}
-    missing = sorted(n for n in names if n not in values)
-    if missing:
-        raise BadRecord(f"data.solution_template uses {{{missing[0]}}} but the row has no field {missing[0]!r}")
-    return cfg.solution_template.format_map(values)
+    fields = {"solution": solution, **({"answer": answer} if answer is not None else {})}
+    return _fill(cfg.solution_template, "data.solution_template", row, fields)
 
 
 def render_prompt(problem: str, row: dict, cfg: DataConfig) -> str:
     """Fill `cfg.prompt_template`. ``{problem}`` is the prompt field whatever `prompt_key` is called; any
     other ``{name}`` is taken from the row."""
-    values = {**{k: v for k, v in row.items() if isinstance(v, (str, int, float))}, "problem": problem,
-              cfg.prompt_key: problem}
-    names = {f[1] for f in string.Formatter().parse(cfg.prompt_template) if f[1]}
-    missing = sorted(n for n in names if n not in values)
-    if missing:
-        raise BadRecord(f"data.prompt_template uses {{{missing[0]}}} but the row has no field {missing[0]!r}")
-    return cfg.prompt_template.format_map(values)
+    return _fill(cfg.prompt_template, "data.prompt_template", row, {"problem": problem, cfg.prompt_key: problem})
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -404,20 +404,19 @@ def load_probe_prompts(path: Optional[str], tokenizer: Any, limit: int, use_chat
 
 
 class _OwnTokens:
-    """A teacher engine with another tokenizer, for (c): the student's prompts carried into the teacher's template,
-    the teacher's samples returned as text re-encoded by the student's tokenizer (only their text, length in
-    tokens and stop are read)."""
+    """A teacher engine with another tokenizer, for (c): the student's prompts carried into the teacher's template
+    by the probe's CrossTokenizerTeacher, the teacher's samples returned as text re-encoded by the student's
+    tokenizer (only their text, length in tokens and stop are read)."""
 
-    def __init__(self, engine: Any, student_tok: Any, teacher_tok: Any):
-        self.engine, self.student_tok, self.teacher_tok = engine, student_tok, teacher_tok
+    def __init__(self, engine: Any, cross: CrossTokenizerTeacher):
+        self.engine, self.cross = engine, cross
         self.eos_token_ids = getattr(engine, "eos_token_ids", [])
 
     def generate(self, prompts: list[list[int]], sp: SamplingParams) -> list[Sample]:
-        x = CrossTokenizerTeacher(self, self.student_tok, self.teacher_tok)
-        out = self.engine.generate([x.teacher_prompt(p) for p in prompts], sp)
+        out = self.engine.generate([self.cross.teacher_prompt(p) for p in prompts], sp)
         for s in out:
-            text = self.teacher_tok.decode(list(s.response_ids), skip_special_tokens=True)
-            s.response_ids = self.student_tok.encode(text, add_special_tokens=False)
+            text = self.cross.teacher_tok.decode(list(s.response_ids), skip_special_tokens=True)
+            s.response_ids = self.cross.student_tok.encode(text, add_special_tokens=False)
         return out
 
 
@@ -500,7 +499,7 @@ def main(argv: list[str]) -> int:
             t_tok = AutoTokenizer.from_pretrained(args.teacher)
             teacher = CrossTokenizerTeacher(teacher, tokenizer, t_tok, chat_template=not args.no_chat_template,
                                             student_eos_ids=engine.eos_token_ids)
-            teacher_engine = _OwnTokens(teacher_engine, tokenizer, t_tok) if teacher_engine is not None else None
+            teacher_engine = _OwnTokens(teacher_engine, teacher) if teacher_engine is not None else None
         report = probe(engine, scorer, teacher, tokenizer, prompts, n=args.n, budget=args.budget,
                        copies=args.copies, temperature=args.temperature, seed=args.seed, margin=args.margin,
                        teacher_engine=teacher_engine)
