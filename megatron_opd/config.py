@@ -225,6 +225,11 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
+    # Adam's moments stored in bf16 and updated in fp32, 4 B/param less (models/lowp_adam.py): the memory lever
+    # of a host where megatron runs torch's AdamW (no TE/apex, e.g. a CPU). Under TE's FusedAdam this is
+    # megatron's use_precision_aware_optimizer, not wired here: bfloat16 there is an error naming the key
+    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
+    exp_avg_sq_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass

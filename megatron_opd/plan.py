@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from megatron_opd.config import Config
 from megatron_opd.models.dtype import auto_dtype
+from megatron_opd.models.lowp_adam import moment_bytes
 from megatron_opd.trainer.mixture import golden_count
 
 GB = 1e9
@@ -350,9 +351,11 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
     tr.add("student weights", P * e, f"{P / 1e9:.3g}B params/rank x {e} B")
     tr.add("gradients", P * 4, "fp32 grad buffer (megatron DDP) x params/rank")
     dp_shard = lay.dp if cfg.optim.use_distributed_optimizer else 1
-    opt = (4 if e < 4 else 0) + 8
+    moments = moment_bytes(cfg.optim.exp_avg_dtype, cfg.optim.exp_avg_sq_dtype)
+    opt = (4 if e < 4 else 0) + moments
     tr.add("optimizer (fp32 main + Adam)" if e < 4 else "optimizer (Adam)", P * opt / dp_shard,
-           f"{opt} B/param / DP {dp_shard}" + (" (distributed optimizer)" if dp_shard > 1 else ""))
+           f"{opt} B/param / DP {dp_shard}" + (" (distributed optimizer)" if dp_shard > 1 else "")
+           + (f"; Adam moments {moments} B/param" if moments != 8 else ""))
     act, how = activation_bytes(student, lay.micro_tokens, lay.row, lay, e, flash, in_flight=stage != "last")
     tr.add("activations", act, f"{lay.micro_tokens} tokens/micro-batch; {how}", "training")
     beta = cfg.algo.beta_kl
@@ -420,7 +423,7 @@ def trainer_rank(cfg: Config, lay: Layout, student: Arch, teacher: Optional[Arch
     if not on_gpu:
         tr.add("HF checkpoints read whole (startup)", startup_host_bytes(cfg, student), STARTUP_HOW,
                "startup")
-        tr.add("Adam moments, not yet allocated (startup)", -8 * P / dp_shard,
+        tr.add("Adam moments, not yet allocated (startup)", -moments * P / dp_shard,
                "torch's Adam allocates exp_avg and exp_avg_sq at the first step", "startup")
     if on_gpu:
         tensors, _ = tr.peak()

@@ -293,6 +293,23 @@ def test_full_kl_logits_at_a_temperature_other_than_1_are_fp32():
     assert logits("rollout.temperature=0.7", "algo.kl_estimator=k3") == pytest.approx(2 * n * v * 2 + 512 * v * 4)
 
 
+def test_bf16_adam_moments_take_4_bytes_a_param_off_the_optimizer_and_off_startup():
+    """optim.exp_avg_dtype / exp_avg_sq_dtype = bfloat16 (models/lowp_adam.py): the optimizer line is fp32 main
+    weights (4) + the moments (2 + 2) per parameter; the startup credit for moments not yet allocated shrinks the
+    same way; one bf16 moment, 6 B of moments."""
+    def parts(*over):
+        cfg = load_config(None, ["model.hf_path=/models/Qwen2.5-Math-1.5B", "model.params_dtype=bfloat16",
+                                 "algo.preset=opd", "optim.use_distributed_optimizer=false", *over])
+        r = plan_run(cfg, Cluster(gpu_from_name("cpu:64"), 1), arch_from(cfg.model.hf_path, "m"), None)["ranks"][0]
+        return _part(r, "optimizer (fp32 main + Adam)")["gb"], _part(r, "Adam moments, not yet allocated (startup)")["gb"]
+
+    P = stage_params(arch_from("/models/Qwen2.5-Math-1.5B", "m"), 1, 1, "only")
+    assert parts() == (pytest.approx(12 * P / 1e9, rel=1e-3), pytest.approx(-8 * P / 1e9, rel=1e-3))
+    both = [f"optim.{k}=bfloat16" for k in ("exp_avg_dtype", "exp_avg_sq_dtype")]
+    assert parts(*both) == (pytest.approx(8 * P / 1e9, rel=1e-3), pytest.approx(-4 * P / 1e9, rel=1e-3))
+    assert parts(both[1])[0] == pytest.approx(10 * P / 1e9, rel=1e-3)
+
+
 def test_step_time_counts_the_pi_old_forward_and_full_recompute():
     """Training time in forward-equivalents: 3 per epoch for forward + backward, 1 more per epoch with full
     recompute, 1 for pi_old's own scoring pass (num_minibatches > 1: not reused from the training forward),

@@ -276,11 +276,12 @@ def _allocate_adam_state(optimizer: Any) -> None:
         inner = getattr(o, "optimizer", None)
         if inner is None or not _keeps_step_per_param(o):
             continue
+        dtypes = getattr(inner, "moment_dtypes", {})  # models/lowp_adam.py: moments kept in bf16
         for group in inner.param_groups:
             for p in group["params"]:
                 if not inner.state[p]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p.data),
-                                      "exp_avg_sq": torch.zeros_like(p.data)}
+                    inner.state[p] = {"step": torch.tensor(0.0)} | {
+                        k: torch.zeros_like(p.data, dtype=dtypes.get(k, p.dtype)) for k in ("exp_avg", "exp_avg_sq")}
 
 
 def _load_optimizer(optimizer: Any, loaded: Any) -> None:

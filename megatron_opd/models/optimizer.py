@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_opd.algo._checks import all_finite
 from megatron_opd.config import OptimConfig
+from megatron_opd.models.lowp_adam import MOMENT_DTYPES, AdamWLowPrecisionMoments
 from megatron_opd.models.parallel import host_group
 
 
@@ -67,6 +68,34 @@ def optimizer_config(optim: OptimConfig, params_dtype: torch.dtype) -> Any:
     )
 
 
+def low_precision_moments(opt: Any, optim: OptimConfig) -> Any:
+    """Swap the torch AdamW inside megatron's optimizer wrapper(s) for one that keeps its moments in
+    `optim.exp_avg_dtype` / `optim.exp_avg_sq_dtype` (models/lowp_adam.py), over the same param groups (the
+    wrappers' own group dicts, so the scheduler's lr and megatron's group bookkeeping are unchanged). Only where
+    megatron built torch's AdamW: TE's and apex's FusedAdam have their own precision-aware path."""
+    if optim.exp_avg_dtype == "float32" and optim.exp_avg_sq_dtype == "float32":
+        return opt
+    from megatron.core import optimizer as megatron_optimizer
+
+    key = "optim.exp_avg_dtype" if optim.exp_avg_dtype != "float32" else "optim.exp_avg_sq_dtype"
+    if not getattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False):
+        raise ValueError(f"{key}: bf16 moments are implemented for torch's AdamW (a host without Transformer "
+                         "Engine or apex); with TE use float32 here (megatron's use_precision_aware_optimizer "
+                         "is not wired)")
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        inner = getattr(o, "optimizer", None)
+        if inner is None:
+            continue
+        if not isinstance(inner, torch.optim.AdamW) or inner.state:
+            raise ValueError(f"{key}: expected a fresh torch.optim.AdamW inside megatron's optimizer, got "
+                             f"{type(inner).__name__}")
+        d = inner.defaults
+        o.optimizer = AdamWLowPrecisionMoments(
+            inner.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+            exp_avg_dtype=MOMENT_DTYPES[optim.exp_avg_dtype], exp_avg_sq_dtype=MOMENT_DTYPES[optim.exp_avg_sq_dtype])
+    return opt
+
+
 def build_scheduler(optimizer: Any, optim: OptimConfig, total_steps: int) -> Any:
     """megatron ``OptimizerParamScheduler`` stepping once per optimizer step (warmup from 0, then
     ``lr_decay_style`` to ``min_lr`` over the remaining steps; constant weight decay)."""
@@ -97,7 +126,7 @@ def setup_training(model: torch.nn.Module, optim: OptimConfig, total_steps: int,
     ddp = wrap_ddp(model, use_distributed_optimizer=optim.use_distributed_optimizer,
                    check_for_nan_in_grad=check_for_nan_in_grad)
     cfg = model.config
-    opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [ddp])
+    opt = low_precision_moments(get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [ddp]), optim)
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.grad_scale_func = opt.scale_loss
     if optim.use_distributed_optimizer:
@@ -111,7 +140,8 @@ def restart_optimizer(setup: TrainingSetup, optim: OptimConfig, total_steps: int
     step counts and the learning-rate schedule back at their start, fp32 main params taken from the model's
     current weights (a rollback to the initial student)."""
     cfg = unwrap(setup.model).config
-    opt = get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [setup.model])
+    opt = low_precision_moments(get_megatron_optimizer(optimizer_config(optim, cfg.params_dtype), [setup.model]),
+                                optim)
     cfg.grad_scale_func = opt.scale_loss
     return TrainingSetup(model=setup.model, optimizer=opt, scheduler=build_scheduler(opt, optim, total_steps))
 
@@ -164,5 +194,5 @@ def unwrap(model: Any) -> torch.nn.Module:
     return model
 
 
-__all__ = ["TrainingSetup", "build_scheduler", "grads_finite", "optimizer_config", "optimizer_step", "setup_training",
+__all__ = ["TrainingSetup", "build_scheduler", "grads_finite", "low_precision_moments", "optimizer_config", "optimizer_step", "setup_training",
            "unwrap", "wrap_ddp", "zero_grads"]
