@@ -409,16 +409,24 @@ def test_eval_limit_keeps_the_first_problems_of_each_set(setup, tmp_path: Path) 
         load_config(None, _overrides(setup, out, "warn", 1, "data.eval_limit=0"))
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
-def test_a_bf16_run_saves_and_resumes_to_the_uninterrupted_run(setup, tmp_path: Path, distributed: bool) -> None:
+@pytest.mark.parametrize("distributed,moments", [(False, "float32"), (True, "float32"), (False, "bfloat16")],
+                         ids=["plain-optimizer", "distributed-optimizer", "bf16-adam-moments"])
+def test_a_bf16_run_saves_and_resumes_to_the_uninterrupted_run(setup, tmp_path: Path, distributed: bool,
+                                                               moments: str) -> None:
     """bf16 mixed precision saves and resumes with either optimizer. Without the distributed optimizer megatron's
     Float16OptimizerWithFloat16Params maps its state to the model through its half-precision params only, so a
-    norm left in fp32 by the local spec failed the first save (the Qwen2.5 pair's run, step 5)."""
+    norm left in fp32 by the local spec failed the first save (the Qwen2.5 pair's run, step 5). With
+    `optim.exp_avg_dtype` / `exp_avg_sq_dtype` = bfloat16 the run's Adam keeps bf16 moments through the save and
+    the resume (models/lowp_adam.py)."""
     extra = ("algo.preset=stable_opd", "model.params_dtype=bfloat16", "teacher.params_dtype=bfloat16",
-             f"optim.use_distributed_optimizer={str(distributed).lower()}", "train.collapse_action=warn")
+             f"optim.use_distributed_optimizer={str(distributed).lower()}", "train.collapse_action=warn",
+             f"optim.exp_avg_dtype={moments}", f"optim.exp_avg_sq_dtype={moments}")
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     _run(_trainer(setup, ref, "warn", 3, *extra))
     _run(_trainer(setup, cut, "warn", 3, *extra), stop_after=2)
     assert (cut / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    _run(_trainer(setup, cut, "warn", 3, *extra))
+    resumed = _run(_trainer(setup, cut, "warn", 3, *extra))
     _assert_same_rows(read_metrics(ref), read_metrics(cut))
+    inner = resumed.student.setup.optimizer.optimizer
+    states = list(inner.state.values())
+    assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == getattr(torch, moments) for s in states)
