@@ -140,3 +140,32 @@ def test_single_seed_rerun_is_judged_on_its_own_seed(tmp_path, capsys):
     assert main([str(calm), "--single-seed"]) == 1
     assert main([*map(str, _set(tmp_path / "three")), "--single-seed"]) == 2
     assert "--single-seed: 3 opd runs given" in capsys.readouterr().err
+
+
+def test_describe_prints_the_mechanism_numbers_and_the_detectors_first_flag(tmp_path, capsys):
+    """`--describe`: per run, the onset, the collapse detector's first flag (`health/collapsed`), the repetitive
+    tokens' share and advantage against the rest, and the log-prob changes across the onset (first / last 5 steps
+    without one). The verdicts printed after it are the same as without the flag."""
+    opd = _run(tmp_path, "opd", 1)
+    rows = [json.loads(line) for line in (opd / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["health/collapsed"] = 1.0 if r["step"] >= 9 else 0.0
+    (opd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    calm = _run(tmp_path, "stable_opd", 1, inflate=False)
+    assert main([str(opd), str(calm), "--single-seed"]) == 0
+    plain = capsys.readouterr().out
+    assert main([str(opd), str(calm), "--single-seed", "--describe"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("| run | steps | onset | detector's first flag")
+    inflating = next(line for line in lines if line.startswith("| opd[seed 1]"))
+    cells = [c.strip() for c in inflating.strip("|").split("|")]
+    # inflated from step 11, so the 3-step onset is 13; flagged at 9; 30 steps with repetitive tokens (11-40),
+    # share 0.3, A +0.5 vs -0.2, all 30 won; teacher +1.5 and student +0.3 from steps 6-10 (before the first
+    # inflated step) to 13-17
+    assert cells[1:] == ["40", "13", "9", "30", "0.300, 0.300", "+0.500 / -0.200", "30 of 30",
+                         "+1.500 / +0.300 (steps 6-10 -> 13-17)"]
+    quiet = [c.strip() for c in next(line for line in lines if line.startswith("| stable_opd")).strip("|").split("|")]
+    assert quiet[2:7] == ["none", "none", "0", "-, -", "- / -"]
+    assert quiet[8].startswith("+0.000 / +0.000 (steps 1-5 -> 36-40)")
+    assert out.endswith(plain)

@@ -222,12 +222,57 @@ def check(runs: list[Run], single_seed: bool = False) -> list[Verdict]:
     return verdicts
 
 
+FLAG = "health/collapsed"
+DESCRIBE_HEADER = ("| run | steps | onset | detector's first flag | steps with repetitive tokens | repetitive share "
+                   "(mean, max) | A repetitive / other (mean over those steps) | repetitive > other | teacher / "
+                   "student logp change |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def describe(run: Run) -> str:
+    """One markdown row of the mechanism's numbers as the paper reports them (repetitive-token share, the
+    advantage on repetitive tokens against the rest, the teacher's and the student's log-probs across the onset)
+    and the collapse detector's first flag against the onset. Descriptive only: the verdicts are `check`'s.
+    Without an onset the log-prob change is from the first 5 steps to the last 5."""
+    steps = [s for s, _ in run.series(TRUNC)]
+    onset = inflation_onset(run)
+    flags = [s for s, v in run.series(FLAG) if v > 0]
+    share = dict(run.series(REP_SHARE))
+    adv, other = dict(run.series(ADV_REP)), dict(run.series(ADV_OTHER))
+    rep_steps = [s for s in sorted(share) if share[s] > 0 and s in adv and s in other]
+    shares = [share[s] for s in rep_steps]
+    t, st = dict(run.series(LOGP_T)), dict(run.series(LOGP_S))
+    if onset is not None:
+        start = first_inflated_step(run, onset)
+        before, after = range(start - ONSET_SPAN, start), range(onset, onset + ONSET_SPAN)
+        span = f"steps {start - ONSET_SPAN}-{start - 1} -> {onset}-{onset + ONSET_SPAN - 1}"
+    else:
+        before, after = steps[:ONSET_SPAN], steps[-ONSET_SPAN:]
+        span = f"steps {before[0]}-{before[-1]} -> {after[0]}-{after[-1]}" if steps else "no steps"
+
+    def delta(d: dict[int, float]) -> float:
+        return _mean([d[s] for s in after if s in d]) - _mean([d[s] for s in before if s in d])
+
+    def f(x: float, fmt: str = "+.3f") -> str:
+        return format(x, fmt) if math.isfinite(x) else "-"
+
+    wins = sum(adv[s] > other[s] for s in rep_steps)
+    return (f"| {run.preset}[seed {run.seeds[0]}] `{run.path}` | {len(steps)} | {onset if onset is not None else 'none'}"
+            f" | {flags[0] if flags else 'none'} | {len(rep_steps)} | "
+            f"{f(_mean(shares), '.3f')}, {f(max(shares, default=float('nan')), '.3f')} | "
+            f"{f(_mean([adv[s] for s in rep_steps]))} / {f(_mean([other[s] for s in rep_steps]))} | "
+            f"{wins} of {len(rep_steps)} | {f(delta(t))} / {f(delta(st))} ({span}) |")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-opd check-reproduction", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run directories (config.yaml + metrics.jsonl)")
     p.add_argument("--single-seed", action="store_true",
                    help="judge a re-run of one seed: its opd run must inflate (the reproduction needs >= 2 of 3)")
+    p.add_argument("--describe", action="store_true",
+                   help="also print each run's mechanism numbers (repetitive-token share, advantage on repetitive "
+                        "tokens vs the rest, teacher/student log-prob change, the detector's first flag) as a "
+                        "markdown table; descriptive, the verdicts are unchanged")
     args = p.parse_args(argv)
     try:
         runs = [load_run(Path(d)) for d in args.runs]
@@ -235,6 +280,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RunError as e:
         print(f"megatron-opd check-reproduction: {e}", file=sys.stderr)
         return 2
+    if args.describe:
+        print(DESCRIBE_HEADER)
+        for run in runs:
+            print(describe(run))
+        print()
     for v in verdicts:
         print(f"[{'PASS' if v.ok else 'FAIL'}] {v.name}: {v.detail}")
     ok = all(v.ok for v in verdicts)
