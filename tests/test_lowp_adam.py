@@ -190,3 +190,18 @@ def _te_host_case(rank: int, world_size: int) -> str:
 def test_bf16_moments_under_fused_adam_is_a_clear_error():
     (msg,) = run_distributed(_te_host_case, 1, timeout=120)
     assert msg.startswith("optim.exp_avg_sq_dtype: ") and "Transformer Engine" in msg
+
+
+def test_a_strided_parameter_is_updated_in_place_whole():
+    """A parameter that is a strided view (a transposed slice) cannot be cut into flat slices: it is updated whole,
+    in place, to the same values as a contiguous copy of it."""
+    base = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
+    view = base.t()[:, :4]
+    assert not view.is_contiguous()
+    grad = torch.randn(view.shape, generator=torch.Generator().manual_seed(2))
+    twin = view.clone()
+    a, b = AdamWLowPrecisionMoments([view], chunk=7, **KW), AdamWLowPrecisionMoments([twin], chunk=7, **KW)
+    view.grad, twin.grad = grad.clone(), grad.clone()
+    a.step()
+    b.step()
+    assert torch.equal(view, twin) and torch.equal(base.t()[:, :4], twin)

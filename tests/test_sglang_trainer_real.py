@@ -178,3 +178,43 @@ def test_megatron_opd_train_cli_server_disaggregated(setup, tmp_path):
 
     with socket.socket() as s:  # nothing listens on the rollout port any more
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_cross_tokenizer_teacher_served_by_sglang_scores_as_the_hf_teacher(setup, tmp_path):
+    """teacher.cross_tokenizer=true with teacher.backend=sglang: a teacher over another tokenizer (a BPE with
+    merges, another vocabulary) served by a real SGLang server the trainer launches. The student's text is
+    re-tokenized by the teacher's tokenizer and the server scores the teacher's ids; the same teacher through
+    the hf backend gives the same step-1 scores (same seeds and weights: the same rollouts), within the
+    SGLang-vs-HF tolerance, with the same alignment coverage."""
+    from megatron_opd.data.toy_tokenizer import bpe_tokenizer
+    from megatron_opd.models.tiny import make_tiny_hf_model
+    from megatron_opd.trainer.logger import read_metrics
+
+    student, _, data = setup
+    corpus = [json.loads(line)["problem"] for line in Path(data["train"]).read_text().splitlines()] * 4
+    tok = bpe_tokenizer(corpus, 300)
+    bpe_teacher = tmp_path / "bpe_teacher"
+    make_tiny_hf_model("qwen2", bpe_teacher, seed=3, vocab_size=len(tok), eos_token_id=2, pad_token_id=0,
+                       bos_token_id=1, max_position_embeddings=2048, num_hidden_layers=2)
+    tok.save_pretrained(str(bpe_teacher))
+    assert len(tok) != hf_model(student).config.vocab_size
+    common = ("rollout.backend=local", f"teacher.hf_path={bpe_teacher}", "teacher.cross_tokenizer=true",
+              "teacher.params_dtype=float32", "model.params_dtype=float32")
+    runs = {}
+    for backend in ("sglang", "hf"):
+        extra = (("teacher.sglang_args=" + json.dumps(sglang_args(mem_fraction_static=mem_fraction())),)
+                 if backend == "sglang" else ())
+        out = tmp_path / backend
+        trainer = _train(_overrides(setup, out, "engine", False, *common, f"teacher.backend={backend}", *extra))
+        try:
+            if backend == "sglang":
+                assert trainer.scorer.teacher_server is not None and trainer.scorer.teacher_server.is_alive()
+        finally:
+            _finish(trainer)
+        runs[backend] = [r for r in read_metrics(out) if r.get("step") == 1][0]
+    sgl, hf = runs["sglang"], runs["hf"]
+    assert sgl["rollout/response_len_mean"] == hf["rollout/response_len_mean"]  # the same rollouts
+    assert 0 < sgl["teacher/cross_coverage"] == hf["teacher/cross_coverage"] <= 1
+    gap = abs(sgl["logp/teacher_mean"] - hf["logp/teacher_mean"])
+    assert measured("cross-tokenizer teacher: |SGLang - HF| mean teacher log-prob, step 1", gap) < LOGPROB_TOL
+    assert math.isfinite(sgl["adv/mean"]) and abs(sgl["adv/mean"] - hf["adv/mean"]) < LOGPROB_TOL

@@ -94,10 +94,13 @@ class AdamWLowPrecisionMoments(torch.optim.AdamW):
 def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float,
             step_size: float, bias2_sqrt: float, eps: float, chunk: int) -> None:
     """torch's _single_tensor_adamw body on flat slices: moments read into fp32, updated, stored back."""
-    flat = [x.view(-1) for x in (p, g, m, v)]
-    n = flat[0].numel()
-    for s in range(0, n, chunk):
-        pp, gg, mm, vv = (x[s:s + chunk] for x in flat)
+    parts = (p, g, m, v)
+    if all(x.is_contiguous() for x in parts):
+        flat = [x.view(-1) for x in parts]
+        slices = [tuple(x[s:s + chunk] for x in flat) for s in range(0, p.numel(), chunk)]
+    else:  # a strided view: updated whole, in place
+        slices = [parts]
+    for pp, gg, mm, vv in slices:
         m32 = mm.float() if mm.dtype != torch.float32 else mm
         v32 = vv.float() if vv.dtype != torch.float32 else vv
         g32 = gg.float() if gg.dtype != torch.float32 else gg
