@@ -207,8 +207,14 @@ def test_cross_tokenizer_teacher_served_by_sglang_scores_as_the_hf_teacher(setup
         out = tmp_path / backend
         trainer = _train(_overrides(setup, out, "engine", False, *common, f"teacher.backend={backend}", *extra))
         try:
+            from megatron_opd.teacher.cross_tokenizer import CrossTokenizerTeacher
+            from megatron_opd.teacher.sglang import SGLangTeacher
+
+            assert isinstance(trainer.teacher, CrossTokenizerTeacher)
+            assert isinstance(trainer.teacher.inner, SGLangTeacher) == (backend == "sglang")
             if backend == "sglang":
                 assert trainer.scorer.teacher_server is not None and trainer.scorer.teacher_server.is_alive()
+                assert trainer.teacher.inner.server is trainer.scorer.teacher_server
         finally:
             _finish(trainer)
         runs[backend] = [r for r in read_metrics(out) if r.get("step") == 1][0]
