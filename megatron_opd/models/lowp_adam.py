@@ -12,7 +12,8 @@ slices of ``chunk`` elements, so the transient fp32 copies stay small beside a 1
 
 A subclass of torch.optim.AdamW, so megatron's wrappers, its checkpoint state dicts (a per-parameter ``step``,
 exp_avg, exp_avg_sq) and the scheduler's param-group ``lr`` work unchanged. A moment loaded in another dtype (a
-checkpoint written with fp32 moments) is converted at the next step.
+checkpoint written with fp32 moments) lands in this optimizer's dtype as it loads. Measured on the Qwen pair's
+stable_opd step (docs/benchmarks.md): peak RSS 18.16 -> 15.39 GiB, step time within noise.
 """
 
 from __future__ import annotations
