@@ -165,8 +165,8 @@ def _resume_round_trip(rank: int, world_size: int, ckpt_dir: str, fused: bool, d
     from megatron_opd.config import OptimConfig
     from megatron_opd.models.checkpoint import load_training_state, save_training_state
     from megatron_opd.models.gpt import build_gpt_model
-    from megatron_opd.models.logprobs import forward_backward, model_vocab_size, vocab_parallel_token_logprobs
-    from megatron_opd.models.optimizer import optimizer_step, setup_training, zero_grads
+    from _optim_steps import next_token_step
+    from megatron_opd.models.optimizer import setup_training
     from megatron_opd.models.parallel import init_parallel
     from megatron_opd.models.tiny import make_tiny_hf_model
     from megatron_opd.models.weight_mapping import hf_to_megatron_state_dict, load_megatron_state_dict
@@ -183,14 +183,7 @@ def _resume_round_trip(rank: int, world_size: int, ckpt_dir: str, fused: bool, d
         return setup_training(model, optim, total_steps=8)
 
     def train_step(setup) -> None:
-        def loss_fn(logits, mb):
-            logp = vocab_parallel_token_logprobs(logits[:, :-1], mb["input_ids"][:, 1:], None,
-                                                 vocab_size=model_vocab_size(setup.model.module))
-            return -logp.mean(), {}
-
-        zero_grads(setup)
-        forward_backward(setup.model, [{"input_ids": ids}], loss_fn)
-        optimizer_step(setup)
+        next_token_step(setup, ids)
 
     def snapshot(setup) -> dict:
         inner = setup.optimizer.optimizer
