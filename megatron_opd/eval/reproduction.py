@@ -110,6 +110,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _shift(d: dict[int, float], before: Any, after: Any) -> float:
+    """Mean of `d` over the steps `after` minus its mean over the steps `before` (steps missing from `d` skipped)."""
+    return _mean([d[s] for s in after if s in d]) - _mean([d[s] for s in before if s in d])
+
+
 def start_level(run: Run) -> tuple[float, float]:
     """(B, mean repetition) over steps 1..START_STEPS."""
     trunc = [v for s, v in run.series(TRUNC) if 1 <= s <= START_STEPS]
@@ -185,12 +190,8 @@ def check(runs: list[Run], single_seed: bool = False) -> list[Verdict]:
         start = first_inflated_step(run, onset)
         t, st = dict(run.series(LOGP_T)), dict(run.series(LOGP_S))
 
-        def delta(d: dict[int, float]) -> float:
-            before = [d[s] for s in range(start - ONSET_SPAN, start) if s in d]
-            after = [d[s] for s in range(onset, onset + ONSET_SPAN) if s in d]
-            return _mean(after) - _mean(before)
-
-        dt, ds = delta(t), delta(st)
+        before, after = range(start - ONSET_SPAN, start), range(onset, onset + ONSET_SPAN)
+        dt, ds = _shift(t, before, after), _shift(st, before, after)
         ok = frac >= ADV_SHARE and dt > ds
         ok_mech &= ok
         mech.append(f"{run.name}: repetitive > other advantage in {frac:.0%} of {len(steps)} steps; onset "
@@ -249,9 +250,6 @@ def describe(run: Run) -> str:
         before, after = steps[:ONSET_SPAN], steps[-ONSET_SPAN:]
         span = f"steps {before[0]}-{before[-1]} -> {after[0]}-{after[-1]}" if steps else "no steps"
 
-    def delta(d: dict[int, float]) -> float:
-        return _mean([d[s] for s in after if s in d]) - _mean([d[s] for s in before if s in d])
-
     def f(x: float, fmt: str = "+.3f") -> str:
         return format(x, fmt) if math.isfinite(x) else "-"
 
@@ -260,7 +258,7 @@ def describe(run: Run) -> str:
             f" | {flags[0] if flags else 'none'} | {len(rep_steps)} | "
             f"{f(_mean(shares), '.3f')}, {f(max(shares, default=float('nan')), '.3f')} | "
             f"{f(_mean([adv[s] for s in rep_steps]))} / {f(_mean([other[s] for s in rep_steps]))} | "
-            f"{wins} of {len(rep_steps)} | {f(delta(t))} / {f(delta(st))} ({span}) |")
+            f"{wins} of {len(rep_steps)} | {f(_shift(t, before, after))} / {f(_shift(st, before, after))} ({span}) |")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
