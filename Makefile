@@ -49,6 +49,8 @@ reproduce-qwen: qwen-models
 		train.seed=$(SEED) rollout.seed=$$((1234 + $(SEED))) logging.out_dir=runs/qwen/$(ARM)-seed$(SEED)
 
 test-qwen: qwen-models
+	@tmp=$${TMPDIR:-/tmp}; free=$$(df -Pm "$$tmp" | awk 'NR==2 {print int($$4 / 1024)}'); [ "$$free" -ge 6 ] || \
+	  { echo "test-qwen: the tests write up to 5 GB under $$tmp (a 0.5B checkpoint and its HF copy at a time); $$free GB free there" >&2; exit 1; }
 	MEGATRON_OPD_STRICT_SKIPS=1 $(VENV)/bin/python -m pytest -q -rfEsp -m qwen $(PYTEST_ARGS)
 
 # A real Slurm cluster on this machine (scripts/slurm/local_cluster.sh: slurmctld + 2 slurmd on 127.0.0.1,
