@@ -143,6 +143,12 @@ class RolloutConfig:
     # kill-and-resume test (tests/test_torchrun_multinode.py) ended with metrics ~1e-4 off the uninterrupted
     # run's in 6 of 16 runs (never in 7 without it; cause not found), so runs are not bitwise repeatable
     pack_weights: bool = False
+    # backend=local, HF Llama / Qwen2 students: decode with rollout/lean.py's step (the HF forward's math in a
+    # quarter of its ops: fused q/k/v and gate/up GEMMs, a preallocated KV cache, one SDPA per layer) instead
+    # of HF's forward; prefill stays HF's. Gives HF's samples bit for bit on the tiny models (tested). An
+    # unsupported model is an error naming this key. Off by default (setting D of the reproduction was fixed
+    # without it); measured in docs/benchmarks.md
+    lean_decode: bool = False
     # One-step off-policy: generate step t+1's rollouts on a background thread (weights of step t) while step t
     # trains, as slime/verl's async modes do. pi_old for those rollouts is the engine's behaviour log-probs, so
     # the clipped importance ratio corrects the one-step staleness (rollout/staleness reports it). Pays off

@@ -485,11 +485,16 @@ def _local_engine(tr: RankPlan, cfg: Config, lay: Layout, a: Arch, e: int, on_gp
         tr.add("rollout engine (local, own copy)", a.params * eng_e,
                f"rank 0: the whole student in {eng_e} B ({why})", rank0=True)
     n_roll = cfg.train.prompts_per_step * r.n_samples_per_prompt if cfg.algo.mixture_ratio < 1 else 0
-    if not on_gpu and eng_e in (2, 4) and n_roll:  # fp32 / bf16 on a CPU: rollout/packed.py
+    if r.pack_weights and not on_gpu and eng_e in (2, 4) and n_roll:  # fp32 / bf16 on a CPU: rollout/packed.py
         packed = a.layers * (a.layer_params - 2 * a.hidden) + a.embedding_params
         tr.add("rollout engine packed weights", packed * eng_e,
                "rank 0, while it decodes: a oneDNN-packed copy of every linear weight and the LM head "
-               "(rollout/packed.py)", "rollout", rank0=True)
+               "(rollout.pack_weights, rollout/packed.py; rollout/lean.py packs the same)", "rollout", rank0=True)
+    elif r.lean_decode and n_roll:
+        fused = a.layers * a.hidden * ((a.heads + 2 * a.kv_heads) * a.head_dim + 2 * a.ffn)
+        tr.add("rollout engine fused weights", fused * eng_e,
+               "rank 0, while it decodes: [q; k; v] and [gate; up] concatenated (rollout.lean_decode, "
+               "rollout/lean.py)", "rollout", rank0=True)
     rows = min(LOCAL_ENGINE_ROWS, n_roll)
     ctx = cfg.data.max_prompt_tokens + r.max_new_tokens
     kv = 2 * a.layers * a.kv_heads * a.head_dim * eng_e

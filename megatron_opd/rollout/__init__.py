@@ -32,13 +32,13 @@ def make_rollout_engine(cfg: Any, hf_path: str, model: Optional[Any] = None,
         from megatron_opd.rollout.local import LocalEngine  # lazy: each engine pulls its own stack
 
         eos = eos_token_ids or eos_ids_from(hf_path)
-        threads, pack = getattr(cfg, "num_threads", 0), bool(getattr(cfg, "pack_weights", False))
+        opts = dict(eos_token_ids=eos, pad_token_id=pad_token_id, num_threads=getattr(cfg, "num_threads", 0),
+                    pack_weights=bool(getattr(cfg, "pack_weights", False)),
+                    lean_decode=bool(getattr(cfg, "lean_decode", False)))
         if model is not None:
-            return LocalEngine(model, eos_token_ids=eos, pad_token_id=pad_token_id, num_threads=threads,
-                               pack_weights=pack)
-        return LocalEngine.from_pretrained(hf_path, dtype=dtype or torch.float32, eos_token_ids=eos,
-                                           pad_token_id=pad_token_id, num_threads=threads, pack_weights=pack,
-                                           device="cuda" if torch.cuda.is_available() else "cpu")
+            return LocalEngine(model, **opts)
+        return LocalEngine.from_pretrained(hf_path, dtype=dtype or torch.float32,
+                                           device="cuda" if torch.cuda.is_available() else "cpu", **opts)
     if cfg.backend == "sglang":
         from megatron_opd.rollout.sglang_engine import SGLangEngine  # lazy: as above
 

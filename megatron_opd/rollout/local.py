@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from megatron_opd.algo._checks import all_finite
+from megatron_opd.rollout.lean import LeanDecoder, unsupported_reason
 from megatron_opd.rollout.packed import packed_weights
 from megatron_opd.rollout.base import Sample, SamplingParams, eos_ids_from, validate_sampling
 
@@ -72,13 +73,17 @@ class LocalEngine:
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: Optional[Iterable[int]] = None,
                  pad_token_id: Optional[int] = None, max_batch_size: int = 64, weight_version: int = 0,
-                 check_finite_weights: bool = True, num_threads: int = 0, pack_weights: bool = False):
+                 check_finite_weights: bool = True, num_threads: int = 0, pack_weights: bool = False,
+                 lean_decode: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
         if num_threads < 0:
             raise ValueError(f"num_threads: must be >= 0 (0: auto), got {num_threads}")
         self.num_threads = num_threads
         self.pack_weights = pack_weights  # rollout/packed.py: oneDNN-packed weights while a call decodes (CPU)
+        if lean_decode and unsupported_reason(model):
+            raise ValueError(f"rollout.lean_decode: {unsupported_reason(model)}")
+        self.lean_decode = lean_decode  # rollout/lean.py: the decode step without HF's forward
         self.stalls = 0  # decode calls that fell back to one thread (num_threads=0)
         # the last `generate`: decode steps (one forward of the live rows each), their seconds with sampling, prefill
         self.last_stats: dict[str, float] = {}
@@ -145,7 +150,9 @@ class LocalEngine:
             self._single_calls -= 1
             torch.set_num_threads(1)
         self.last_stats = {"decode_steps": 0, "decode_s": 0.0, "prefill_s": 0.0}
-        packing = packed_weights(self.model, min(len(rows), self.max_batch_size)) if self.pack_weights else nullcontext()
+        # the lean step packs its own fused weights; HF's prefill then runs unpacked (one packed copy, not two)
+        packing = (packed_weights(self.model, min(len(rows), self.max_batch_size))
+                   if self.pack_weights and not self.lean_decode else nullcontext())
         try:
             with packing:
                 for start in range(0, len(rows), self.max_batch_size):
@@ -183,9 +190,13 @@ class LocalEngine:
             mask[r, width - len(p):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
         t0 = time.perf_counter()
-        logits = self._forward(ids, mask, pos, cache)
+        if self.lean_decode:
+            lean = LeanDecoder(self.model, len(rows), width + sp.max_new_tokens + 1, pack=self.pack_weights)
+            logits = lean.prefill(ids, mask, pos, self._cache_kw)
+        else:
+            cache = DynamicCache(config=self.model.config)
+            logits = self._forward(ids, mask, pos, cache)
         t1 = time.perf_counter()
         self.last_stats["prefill_s"] += t1 - t0
         next_pos = torch.tensor(lens, device=dev)
@@ -213,12 +224,19 @@ class LocalEngine:
                 break
             if len(keep) < len(alive):
                 idx = torch.tensor(keep, device=dev)
-                cache.reorder_cache(idx)
-                mask, tok, next_pos = mask[idx], tok[idx], next_pos[idx]
+                if self.lean_decode:
+                    lean.keep(idx)
+                else:
+                    cache.reorder_cache(idx)
+                    mask = mask[idx]
+                tok, next_pos = tok[idx], next_pos[idx]
                 alive = [alive[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
             t = self._clock()
-            logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
+            if self.lean_decode:
+                logits = lean.step(tok, next_pos)
+            else:
+                mask = torch.cat([mask, mask.new_ones((len(alive), 1))], dim=1)
+                logits = self._forward(tok[:, None], mask, next_pos[:, None], cache)
             if guard:
                 took = self._clock() - t
                 if step >= STALL_WARMUP and took > STALL_FACTOR * fastest:
