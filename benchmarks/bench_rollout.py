@@ -1,6 +1,12 @@
 """Rollout throughput and weight-sync cost, printed as a table.
 
   python benchmarks/bench_rollout.py [--model tiny|small|HF_DIR] [--new-tokens 64] [--threads 2]
+  python benchmarks/bench_rollout.py --decode-variants --model HF_DIR [--dtype bfloat16] [--rounds 3]
+
+--decode-variants: the local engine's decode step (ms, 8 rows, EOS disabled) with HF's forward or the lean
+step (`rollout.lean_decode`), each packed or not (`rollout.pack_weights`), interleaved over --rounds rounds on
+one model, against the roofline: the bytes a step streams (bench_step.engine_weight_bytes) at the copy
+bandwidth measured in the same run (bench_step.machine_facts).
 
 Generation: tokens/s of LocalEngine (KV cache) at batch 1 and 8 with EOS disabled, so every row
 generates exactly --new-tokens tokens; SGLang (CPU engine) too when `sglang` is importable.
@@ -66,6 +72,42 @@ def bench_sync(engine: LocalEngine, reps: int, bucket_mb: float, check_finite: b
     return gb, best / gb
 
 
+def decode_variants(args: argparse.Namespace) -> None:
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    from bench_step import engine_weight_bytes, facts_text, machine_facts
+
+    facts = machine_facts(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size, (args.prompt_len + 17 * i,), generator=g).tolist()
+               for i in range(4)]
+    sp = SamplingParams(n=2, max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
+    variants = {"hf": (False, False), "hf + packed": (False, True), "lean": (True, False), "lean + packed": (True, True)}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    roof = None
+    for _ in range(args.rounds):
+        for name, (lean, pack) in variants.items():
+            engine = LocalEngine(model, eos_token_ids=[], pad_token_id=0, pack_weights=pack, lean_decode=lean)
+            roof = roof or engine_weight_bytes(engine) / (facts["copy_gb_s"] * 1e9)
+            engine.generate(prompts, sp)
+            st = engine.last_stats
+            times[name].append(st["decode_s"] / st["decode_steps"])
+    print(facts_text(facts))
+    print(f"model {args.model} in {args.dtype}, 8 rows, prompts {args.prompt_len}-{args.prompt_len + 51} tokens, "
+          f"{args.new_tokens} new; roofline {roof * 1e3:.1f} ms a step; {args.rounds} rounds, interleaved")
+    print("| decode | ms a step (median) | each round | x roofline | vs hf |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(times["hf"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.1f} | {' / '.join(f'{t * 1e3:.1f}' for t in ts)} | {med / roof:.2f} | "
+              f"{med / base:.2f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="small", help="tiny | small | path to an HF directory")
@@ -74,8 +116,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--decode-variants", action="store_true", help="HF vs lean decode step, packed or not")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_variants:
+        return decode_variants(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         model, path = load_model(args.model, Path(tmp) / "m")
