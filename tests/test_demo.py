@@ -76,6 +76,7 @@ def test_tiny_demo_compare_runs_every_preset_into_one_figure_and_table(tmp_path:
     assert (out / "dynamics.png").is_file() and "collapse flagged" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # 30 s together: the default suite's budget (docs/testing.md); CI's slow leg runs them
 def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture) -> None:
     """`demo --reproduce --tiny`: the pair (short-solution student, checked-solution teacher) is made, probed,
@@ -123,6 +124,7 @@ def test_tiny_demo_reproduce_probes_runs_every_arm_and_ends_with_the_checker(tmp
         demo.main(["--reproduce", "--tiny", "--steps", "3", "--out", str(out), "--cache", str(cache)])
 
 
+@pytest.mark.slow  # see above
 @pytest.mark.parametrize("setting", ["bytes", "bytes-support"])
 def test_tiny_reproduce_bytes_settings_train_their_pair_from_scratch_and_apply_their_overrides(
         setting: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
