@@ -1,7 +1,11 @@
-"""The lean decode step (rollout/lean.py, `rollout.lean_decode`): the HF forward's samples and log-probs, bit for
-bit, on tiny Llama and Qwen2 models in fp32 and bf16, packed or not, with rows finishing early; it follows
-weight updates between calls; a model it does not cover is refused under its config key; and a trainer run with
-it logs what the HF decode logs."""
+"""The lean decode step (rollout/lean.py, `rollout.lean_decode`): the HF forward's samples, and its log-probs to
+fp32 rounding, on tiny Llama and Qwen2 models in fp32 and bf16, packed or not, with rows finishing early; it
+follows weight updates between calls; a model it does not cover is refused under its config key; and a trainer
+run with it logs what the HF decode logs.
+
+The log-probs are bit for bit HF's with the main leg's torch 2.13 + transformers 5.24; with torch 2.14 +
+transformers 5.19 (the SGLang venv) fp32 ones differed by up to 5e-7 (a different attention kernel on one side),
+so the tests allow LOGP_TOL rather than equality."""
 
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ from megatron_opd.rollout.local import LocalEngine
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20]]
 EOS = list(range(3, 128, 9))  # a dense stop set: rows finish at different steps, so the cache drops rows
+LOGP_TOL = 1e-5
+
+
+def _close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(len(x) == len(y) and all(abs(u - v) <= LOGP_TOL for u, v in zip(x, y)) for x, y in zip(a, b))
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +50,8 @@ def test_lean_step_samples_what_hf_samples(family, dtype, pack):
     lengths = [len(s.response_ids) for s in a]
     assert len(set(lengths)) > 2 and min(lengths) < 40, f"rows should finish at different steps: {lengths}"
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
-    assert [s.logprobs for s in a] == [s.logprobs for s in b]
-    assert [s.raw_logprobs for s in a] == [s.raw_logprobs for s in b]
+    assert _close([s.logprobs for s in a], [s.logprobs for s in b])
+    assert _close([s.raw_logprobs for s in a], [s.raw_logprobs for s in b])
     assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
     assert lean.last_stats["decode_steps"] == hf.last_stats["decode_steps"] > 0
 
@@ -112,8 +121,8 @@ def test_config_key_reaches_the_engine_and_the_plan(tmp_path):
 
 @pytest.mark.megatron
 def test_a_trainer_run_logs_the_same_with_the_lean_step(tmp_path):
-    """Two stable_opd steps of the tiny pair, seeded: the lean decode gives the HF decode's metrics exactly
-    (rollouts, losses, KL: the samples and behaviour log-probs are the same bits)."""
+    """Two stable_opd steps of the tiny pair, seeded: the lean decode gives the HF decode's metrics (rollouts,
+    losses, KL: the same samples, behaviour log-probs to fp32 rounding; exactly equal on the main leg)."""
     from _tiny import tiny_setup, train
     from megatron_opd.config import load_config
     from megatron_opd.trainer.logger import read_metrics
@@ -131,5 +140,5 @@ def test_a_trainer_run_logs_the_same_with_the_lean_step(tmp_path):
     assert [r["step"] for r in runs[True]] == [1, 2]
     for a, b in zip(runs[False], runs[True]):
         keys = [k for k in a if not k.startswith(("time/", "mem/", "decode/", "perf/")) and isinstance(a[k], float)]
-        assert keys and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in keys), \
-            {k: (a[k], b[k]) for k in keys if a[k] != b[k]}
+        same = lambda x, y: x == pytest.approx(y, rel=1e-4, abs=1e-6) or (math.isnan(x) and math.isnan(y))  # noqa: E731
+        assert keys and all(same(a[k], b[k]) for k in keys), {k: (a[k], b[k]) for k in keys if not same(a[k], b[k])}
