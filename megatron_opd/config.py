@@ -145,9 +145,9 @@ class RolloutConfig:
     pack_weights: bool = False
     # backend=local, HF Llama / Qwen2 students: decode with rollout/lean.py's step (the HF forward's math in a
     # quarter of its ops: fused q/k/v and gate/up GEMMs, a preallocated KV cache, one SDPA per layer) instead
-    # of HF's forward; prefill stays HF's. Samples HF's tokens, log-probs to fp32 rounding (bit for bit on torch 2.13 + transformers 5.24; tested). An
-    # unsupported model is an error naming this key. Off by default (setting D of the reproduction was fixed
-    # without it); measured in docs/benchmarks.md
+    # of HF's forward; prefill stays HF's. HF's tokens, its log-probs to fp32 rounding (bit for bit on torch
+    # 2.13 + transformers 5.24; tested). An unsupported model is an error naming this key. Off by default
+    # (setting D of the reproduction was fixed without it); measured in docs/benchmarks.md
     lean_decode: bool = False
     # One-step off-policy: generate step t+1's rollouts on a background thread (weights of step t) while step t
     # trains, as slime/verl's async modes do. pi_old for those rollouts is the engine's behaviour log-probs, so
