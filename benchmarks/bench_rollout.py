@@ -1,7 +1,7 @@
 """Rollout throughput and weight-sync cost, printed as a table.
 
   python benchmarks/bench_rollout.py [--model tiny|small|HF_DIR] [--new-tokens 64] [--threads 2]
-  python benchmarks/bench_rollout.py --decode-variants --model HF_DIR [--dtype bfloat16] [--rounds 3]
+  python benchmarks/bench_rollout.py --decode-variants [--model tiny|small|HF_DIR] [--dtype bfloat16] [--rounds 3]
 
 --decode-variants: the local engine's decode step (ms, 8 rows, EOS disabled) with HF's forward or the lean
 step (`rollout.lean_decode`), each packed or not (`rollout.pack_weights`), interleaved over --rounds rounds on
@@ -81,7 +81,10 @@ def decode_variants(args: argparse.Namespace) -> None:
 
     facts = machine_facts(args.threads)
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    if args.model in SIZES:
+        model = make_tiny_hf_model("qwen2", seed=0, **SIZES[args.model]).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size, (args.prompt_len + 17 * i,), generator=g).tolist()
                for i in range(4)]

@@ -142,3 +142,25 @@ def test_a_trainer_run_logs_the_same_with_the_lean_step(tmp_path):
         keys = [k for k in a if not k.startswith(("time/", "mem/", "decode/", "perf/")) and isinstance(a[k], float)]
         same = lambda x, y: x == pytest.approx(y, rel=1e-4, abs=1e-6) or (math.isnan(x) and math.isnan(y))  # noqa: E731
         assert keys and all(same(a[k], b[k]) for k in keys), {k: (a[k], b[k]) for k in keys if not same(a[k], b[k])}
+
+
+@pytest.mark.slow  # a subprocess with the machine-facts probe (1 GiB copy, GEMMs): the slow CI leg runs it
+@pytest.mark.timeout(300)
+def test_bench_rollout_decode_variants_prints_every_variant():
+    """`benchmarks/bench_rollout.py --decode-variants` runs end to end on the tiny model: a row per decode variant,
+    each with its rounds and its ratio to the roofline. Speed is the benchmark's business: no time asserted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench_rollout.py", "--decode-variants", "--model", "tiny", "--threads", "1",
+                           "--rounds", "2", "--new-tokens", "6", "--dtype", "float32"],
+                          cwd=repo / "benchmarks", capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]  # the header, then a row each
+    names = [r.split("|")[1].strip() for r in rows[1:]]
+    assert names == ["hf", "hf + packed", "lean", "lean + packed"], proc.stdout
+    for r in rows[1:]:
+        cells = [c.strip() for c in r.split("|")[1:-1]]
+        assert len(cells[2].split(" / ")) == 2 and float(cells[3]) > 0, r
