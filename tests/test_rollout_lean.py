@@ -63,9 +63,14 @@ def test_lean_step_logits_match_the_hf_forward_at_a_head_dim_apart_from_hidden_o
     ids = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])
     mask = (torch.arange(5)[None] >= torch.tensor([[2], [0]])).long()
     cont = torch.tensor([[40, 41, 42, 43], [50, 51, 52, 53]])
+    from transformers import DynamicCache
+
     dec = LeanDecoder(model, rows=2, capacity=16, pack=False)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    got = [dec.prefill(ids, mask, pos, "past_key_values")]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        got = [model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1].float()]
+    dec.adopt(cache, mask)
     nxt = pos[:, -1] + 1
     for t in range(cont.shape[1]):
         got.append(dec.step(cont[:, t], nxt + t))

@@ -56,8 +56,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LeanDecoder:
-    """Decode state of one batch: `prefill(ids, mask, pos)` once, then `step(tok, pos)` per token and
-    `keep(idx)` when rows finish. Logits come back fp32 [rows, V] for the last position, as the engine's
+    """Decode state of one batch: `adopt(cache, mask)` once after HF's prefill, then `step(tok, pos)` per token
+    and `keep(idx)` when rows finish. Logits come back fp32 [rows, V] for the last position, as the engine's
     `_forward` returns them."""
 
     def __init__(self, model: torch.nn.Module, rows: int, capacity: int, pack: bool):
@@ -115,14 +115,9 @@ class LeanDecoder:
         return w * h.to(x.dtype)
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache_kw: str) -> torch.Tensor:
-        """HF's forward over the (left-padded) prompts; its cache copied into ours. Returns the last logits."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{cache_kw: cache})
-        width = ids.shape[1]
+    def adopt(self, cache, mask: torch.Tensor) -> None:
+        """Take over the KV cache of HF's prefill (the engine's own forward) over the left-padded prompts."""
+        width = mask.shape[1]
         if width >= self.capacity:
             raise ValueError(f"LeanDecoder: prompt width {width} >= capacity {self.capacity}")
         for i, layer in enumerate(cache.layers):
@@ -130,7 +125,6 @@ class LeanDecoder:
             self.v[i, :, :, :width].copy_(layer.values)
         self.valid[:, :width] = mask.bool()
         self.length = width
-        return out.logits[:, -1, :].float()
 
     def keep(self, idx: torch.Tensor) -> None:
         """Only rows `idx` decode on (the others finished)."""

@@ -191,12 +191,12 @@ class LocalEngine:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         t0 = time.perf_counter()
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, pos, cache)
         if self.lean_decode:
             lean = LeanDecoder(self.model, len(rows), width + sp.max_new_tokens + 1, pack=self.pack_weights)
-            logits = lean.prefill(ids, mask, pos, self._cache_kw)
-        else:
-            cache = DynamicCache(config=self.model.config)
-            logits = self._forward(ids, mask, pos, cache)
+            lean.adopt(cache, mask)
+            del cache
         t1 = time.perf_counter()
         self.last_stats["prefill_s"] += t1 - t0
         next_pos = torch.tensor(lens, device=dev)
